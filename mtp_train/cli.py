@@ -1,0 +1,61 @@
+"""The single entry point `mtp-train` (also `python -m mtp_train`): one subcommand per stage.
+
+Each stage module exposes `register(subparsers)`, which adds its subcommand(s) and sets `func` on the parser to a
+callable taking the parsed `argparse.Namespace` and returning an exit code. Heavy imports (torch, transformers)
+happen inside those callables so `mtp-train --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from mtp_train.errors import UserError
+
+# Modules that register subcommands, in the order they appear in --help (stage order).
+STAGE_MODULES = [
+    "mtp_train.assets",
+    "mtp_train.runtime.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mtp-train",
+        description="Train speculative-decoding draft heads (MTP / EAGLE) for LLMs.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in STAGE_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as err:
+        if args.verbose:
+            raise
+        print(f"mtp-train {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mtp-train {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
