@@ -1,0 +1,36 @@
+# mtp_train — the two commands for a fresh machine: `make demo` (the main job) and `make test`.
+# Everything installs into .venv; fetched models and data land in data/ (git-ignored).
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch lies on this machine's disk; GPU users: TORCH_SPEC='torch>=2.4' (or pre-install theirs).
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup assets demo test bench clean-venv
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q '$(TORCH_SPEC)'
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+assets: setup
+	$(BIN)/mtp-train fetch-assets
+
+demo: assets
+	$(BIN)/mtp-train generate --prompt "What is the capital of France?"
+
+# pytest exits 5 when it collected no test: that is a failure here (make stops on any non-zero exit).
+test: setup assets
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/python -m pytest -q --timeout=900 $(PYTEST_ARGS)
+
+bench: setup assets
+	$(BIN)/python scripts/bench_decode.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,219 @@
+"""Batch description for one forward over a ragged batch, and the attention backends.
+
+A forward runs the flat concatenation of every sequence's new tokens (`[num_tokens, ...]`, no padding).
+`BatchInfo` says which rows belong to which sequence and where their K/V live, in the shape FlashInfer's paged
+wrappers take (`qo_indptr`, `kv_page_indptr`, `kv_page_indices`, `kv_last_page_len`), so a FlashInfer backend can
+`plan()` from the same object. One batch kind covers the three uses:
+
+- prefill: each sequence brings its whole prompt (n_b tokens, nothing cached yet);
+- decode:  each sequence brings 1 token and attends to its cached prefix;
+- verify:  each sequence brings k tokens that attend to the cached prefix and causally to each other.
+
+Without a cache (`kv_cache=None`, e.g. feature precompute) every sequence attends only to its own new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from mtp_train.runtime.kv_cache import PageAllocator, Sequence
+
+
+@dataclass
+class BatchInfo:
+    positions: torch.Tensor  # [num_tokens] int64: position of each new token in its sequence
+    q_lens: list[int]  # new tokens per sequence
+    kv_lens: list[int]  # attended length per sequence after this forward (cached + new)
+    qo_indptr: torch.Tensor  # [batch + 1] int32: sequence b owns rows qo_indptr[b]:qo_indptr[b+1]
+    page_size: int = 0
+    kv_page_indptr: torch.Tensor | None = None  # [batch + 1] int32
+    kv_page_indices: torch.Tensor | None = None  # [total pages] int32
+    kv_last_page_len: torch.Tensor | None = None  # [batch] int32
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] int64: flat cache slot each new K/V is written to
+    _plans: dict = field(default_factory=dict, repr=False)  # per-backend precomputation, shared by all layers
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.slot_mapping is not None
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Row of each sequence's last new token (where next-token logits are read)."""
+        return (self.qo_indptr[1:] - 1).long()
+
+    @staticmethod
+    def without_cache(lengths: list[int], device: torch.device | str = "cpu") -> "BatchInfo":
+        """Prefill of whole sequences that attend only to themselves (nothing read from or written to a cache)."""
+        positions = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.long)
+        qo_indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        return BatchInfo(positions=positions.to(device), q_lens=list(lengths), kv_lens=list(lengths), qo_indptr=qo_indptr)
+
+    @staticmethod
+    def for_sequences(
+        sequences: list[Sequence],
+        new_token_counts: list[int],
+        allocator: PageAllocator,
+        device: torch.device | str = "cpu",
+        advance: bool = True,
+    ) -> "BatchInfo":
+        """Append `new_token_counts[b]` tokens to each sequence: reserves pages, and (if `advance`) counts the new
+        tokens as cached. Use `Sequence.truncate` afterwards to drop rejected tokens."""
+        page_size = allocator.page_size
+        positions, slots, page_indptr, page_indices, last_page_len, kv_lens = [], [], [0], [], [], []
+        for seq, count in zip(sequences, new_token_counts, strict=True):
+            start = seq.num_cached
+            end = start + count
+            seq.reserve(end, allocator)
+            pages = torch.tensor(seq.pages, dtype=torch.long)
+            new_positions = torch.arange(start, end)
+            positions.append(new_positions)
+            slots.append(pages[new_positions // page_size] * page_size + new_positions % page_size)
+            used_pages = -(-end // page_size)
+            page_indices.extend(seq.pages[:used_pages])
+            page_indptr.append(page_indptr[-1] + used_pages)
+            last_page_len.append(end - (used_pages - 1) * page_size)
+            kv_lens.append(end)
+            if advance:
+                seq.num_cached = end
+        counts = torch.tensor(new_token_counts)
+        return BatchInfo(
+            positions=torch.cat(positions).to(device),
+            q_lens=list(new_token_counts),
+            kv_lens=kv_lens,
+            qo_indptr=torch.tensor([0, *counts.cumsum(0).tolist()], dtype=torch.int32),
+            page_size=page_size,
+            kv_page_indptr=torch.tensor(page_indptr, dtype=torch.int32),
+            kv_page_indices=torch.tensor(page_indices, dtype=torch.int32),
+            kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32),
+            slot_mapping=torch.cat(slots).to(device),
+        )
+
+
+class AttentionBackend:
+    """Computes attention for one layer. `q: [num_tokens, heads, head_dim]`, `k, v: [num_tokens, kv_heads,
+    head_dim]`, `layer_cache`: that layer's (K, V) page storage or None. Returns `[num_tokens, heads, head_dim]`."""
+
+    name = "base"
+
+    def attend(self, q, k, v, layer_cache, batch: BatchInfo, scale: float, sliding_window: int | None):
+        raise NotImplementedError
+
+
+def _allowed_mask(q_positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
+    """[n_q, kv_len] bool: causal (key position <= query position), optionally within a sliding window."""
+    key_positions = torch.arange(kv_len, device=q_positions.device)
+    allowed = key_positions[None, :] <= q_positions[:, None]
+    if sliding_window is not None:
+        allowed &= key_positions[None, :] > q_positions[:, None] - sliding_window
+    return allowed
+
+
+class TorchAttention(AttentionBackend):
+    """Pure-torch paged attention (CPU and CUDA) on `scaled_dot_product_attention`.
+
+    With a cache, new K/V are scattered into their slots, then each sequence's keys are gathered from its pages.
+    Batches whose sequences all bring the same number of tokens (decode, verify) run as one padded SDPA call;
+    ragged prefills run one call per sequence, so no compute is spent on padding.
+    """
+
+    name = "torch"
+
+    def _plan(self, batch: BatchInfo, sliding_window: int | None, device) -> dict:
+        key = (self.name, sliding_window)
+        if key in batch._plans:
+            return batch._plans[key]
+        plan: dict = {}
+        bounds = batch.qo_indptr.tolist()
+        plan["rows"] = [(bounds[b], bounds[b + 1]) for b in range(batch.batch_size)]
+        if batch.uses_cache:
+            page_size = batch.page_size
+            page_indptr = batch.kv_page_indptr.tolist()
+            page_indices = batch.kv_page_indices.to(torch.long)
+            kv_slots = []
+            for b in range(batch.batch_size):
+                pages = page_indices[page_indptr[b] : page_indptr[b + 1]]
+                slots = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+                kv_slots.append(slots[: batch.kv_lens[b]].to(device))
+            plan["kv_slots"] = kv_slots
+        uniform = len(set(batch.q_lens)) == 1 and batch.batch_size > 1 and batch.uses_cache
+        plan["uniform"] = uniform
+        if uniform:
+            n_q, max_kv = batch.q_lens[0], max(batch.kv_lens)
+            padded_slots = torch.zeros(batch.batch_size, max_kv, dtype=torch.long, device=device)
+            mask = torch.zeros(batch.batch_size, 1, n_q, max_kv, dtype=torch.bool, device=device)
+            for b, slots in enumerate(plan["kv_slots"]):
+                kv_len = batch.kv_lens[b]
+                padded_slots[b, :kv_len] = slots
+                q_positions = batch.positions[bounds[b] : bounds[b + 1]]
+                mask[b, 0, :, :kv_len] = _allowed_mask(q_positions, kv_len, sliding_window)
+            plan["padded_slots"], plan["padded_mask"] = padded_slots, mask
+        else:
+            masks = []
+            for b, (start, end) in enumerate(plan["rows"]):
+                q_positions = batch.positions[start:end]
+                kv_len = batch.kv_lens[b]
+                n_q = end - start
+                plain_causal = sliding_window is None or kv_len <= sliding_window
+                if n_q == 1 and plain_causal:
+                    masks.append(None)  # one query sees every cached key
+                elif n_q == kv_len and plain_causal:
+                    masks.append("causal")
+                else:
+                    masks.append(_allowed_mask(q_positions, kv_len, sliding_window))
+            plan["masks"] = masks
+        batch._plans[key] = plan
+        return plan
+
+    def attend(self, q, k, v, layer_cache, batch: BatchInfo, scale: float, sliding_window: int | None):
+        plan = self._plan(batch, sliding_window, q.device)
+        num_heads, num_kv_heads = q.shape[1], k.shape[1]
+        gqa = num_heads != num_kv_heads
+        if layer_cache is not None:
+            k_cache, v_cache = layer_cache
+            k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_pages * page_size, kv_heads, head_dim]
+            v_flat = v_cache.view(-1, *v_cache.shape[2:])
+            k_flat.index_copy_(0, batch.slot_mapping, k.to(k_flat.dtype))
+            v_flat.index_copy_(0, batch.slot_mapping, v.to(v_flat.dtype))
+        if plan["uniform"]:
+            n_q = batch.q_lens[0]
+            q_b = q.view(batch.batch_size, n_q, num_heads, -1).transpose(1, 2)  # [batch, heads, n_q, head_dim]
+            k_b = k_flat[plan["padded_slots"]].transpose(1, 2)  # [batch, kv_heads, max_kv, head_dim]
+            v_b = v_flat[plan["padded_slots"]].transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q_b, k_b, v_b, attn_mask=plan["padded_mask"], scale=scale, enable_gqa=gqa
+            )
+            return out.transpose(1, 2).reshape(q.shape)
+        outputs = []
+        for b, (start, end) in enumerate(plan["rows"]):
+            q_b = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n_q, head_dim]
+            if layer_cache is not None:
+                slots = plan["kv_slots"][b]
+                k_b, v_b = k_flat[slots], v_flat[slots]  # [kv_len, kv_heads, head_dim]
+            else:
+                k_b, v_b = k[start:end], v[start:end]
+            k_b = k_b.transpose(0, 1).unsqueeze(0)
+            v_b = v_b.transpose(0, 1).unsqueeze(0)
+            mask = plan["masks"][b]
+            if isinstance(mask, str):
+                out = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            outputs.append(out[0].transpose(0, 1))
+        return torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]
+
+
+def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+    """`torch` everywhere; `flashinfer` (CUDA only) arrives with its own issue; `auto` picks the best available."""
+    if name in ("auto", "torch"):
+        return TorchAttention()
+    raise ValueError(f"unknown attention backend {name!r}; available: torch")

@@ -1,0 +1,113 @@
+"""`mtp-train generate`: chat with a target model through the runtime (streams text; `--json` for machines)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate a reply through the inference runtime",
+        description="Apply the target's chat template to PROMPT and decode with our paged runtime.",
+    )
+    p.add_argument("--target", default=None, help="HF model directory (default: the fetched SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", required=True, help="user message")
+    p.add_argument("--system", default=None, help="optional system message")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=run_generate)
+
+
+def _default_target() -> str:
+    from mtp_train.assets import DEFAULT_MODEL, model_dir
+
+    return str(model_dir(DEFAULT_MODEL))
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from mtp_train.errors import UserError
+    from mtp_train.runtime.chat import encode_chat, stop_token_ids
+    from mtp_train.runtime.generate import generate
+    from mtp_train.runtime.loader import load_model, load_tokenizer
+    from mtp_train.runtime.sampler import SamplingParams
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    target = args.target or _default_target()
+    model = load_model(target, dtype=args.dtype, device=args.device)
+    tokenizer = load_tokenizer(target)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    prompt_ids = encode_chat(tokenizer, messages, target)
+    stops = stop_token_ids(tokenizer, model.config)
+
+    streamer = None if args.json else TextStreamer(tokenizer)
+    results, stats = generate(
+        model,
+        [prompt_ids],
+        args.max_new_tokens,
+        sampling,
+        stop_token_ids=stops,
+        seed=args.seed,
+        on_tokens=(lambda _i, ids: streamer.push(ids)) if streamer else None,
+    )
+    token_ids = results[0].token_ids
+    if token_ids and token_ids[-1] in stops:
+        token_ids = token_ids[:-1]
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "token_ids": token_ids,
+                    "num_tokens": len(token_ids),
+                    "finish_reason": results[0].finish_reason,
+                    "tokens_per_s": round(stats.tokens_per_s, 2),
+                    "prompt_tokens": len(prompt_ids),
+                }
+            )
+        )
+    else:
+        streamer.finish()
+        print(
+            f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, {results[0].finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+class TextStreamer:
+    """Prints decoded text as tokens arrive (re-decoding the tail so multi-byte characters come out whole)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def push(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        sys.stdout.write(text[self.printed :])
+        sys.stdout.flush()
+        self.printed = len(text)
+
+    def finish(self) -> None:
+        sys.stdout.write("\n")
+        sys.stdout.flush()

@@ -1,0 +1,143 @@
+"""The model configuration our runtime understands, read from a HF `config.json`.
+
+transformers parses the file (so every rope-scaling spelling across versions is normalized for us); this module
+checks that the architecture and options are ones the runtime implements, and says which when they are not.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtp_train.errors import UserError
+
+# model_type -> what distinguishes it inside the Llama family.
+SUPPORTED_MODEL_TYPES = {
+    "llama": "Llama 2/3/3.1+ (rope scaling default/linear/llama3), SmolLM2",
+    "mistral": "Mistral (optional sliding window)",
+    "qwen2": "Qwen2/2.5 (q/k/v bias)",
+    "qwen3": "Qwen3 (per-head q/k RMSNorm)",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str = "silu"
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2, some Llamas)
+    o_proj_bias: bool = False  # bias on the output projection (Llama attention_bias=True)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rotary
+    sliding_window: int | None = None  # Mistral: attend to at most this many previous tokens
+    rope_type: str = "default"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # The parsed transformers config: rotary init functions read their parameters from it.
+    hf_config: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Read and validate `model_dir/config.json`. Raises UserError naming the file and key on anything unsupported."""
+    from transformers import AutoConfig
+
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{config_path}: not found (expected a HF model directory with config.json and *.safetensors)")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{config_path}: invalid JSON ({err})") from None
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
+        raise UserError(f"{config_path}: model_type {model_type!r} is not supported; supported: {supported}")
+    if "quantization_config" in raw:
+        raise UserError(
+            f"{config_path}: quantization_config is set ({raw['quantization_config'].get('quant_method', '?')}); "
+            "the runtime loads unquantized bf16/fp16/fp32 safetensors only"
+        )
+    try:
+        hf = AutoConfig.from_pretrained(str(model_dir))
+    except Exception as err:  # transformers raises many types for a malformed config
+        raise UserError(f"{config_path}: transformers could not parse it ({err})") from None
+
+    rope_params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    rope_type = rope_params.get("rope_type", rope_params.get("type", "default")) if rope_params else "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UserError(
+            f"{config_path}: rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "dynamic":
+        raise UserError(
+            f"{config_path}: rope_scaling type 'dynamic' changes frequencies with sequence length, which a paged "
+            "cache cannot follow; supported: default, linear, llama3, yarn, longrope"
+        )
+    hidden_act = getattr(hf, "hidden_act", "silu")
+    if hidden_act not in SUPPORTED_ACTIVATIONS:
+        raise UserError(
+            f"{config_path}: hidden_act {hidden_act!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+        )
+    if getattr(hf, "pretraining_tp", 1) not in (None, 1):
+        raise UserError(f"{config_path}: pretraining_tp={hf.pretraining_tp} is not supported; expected 1")
+
+    sliding_window = None
+    if model_type == "mistral":
+        sliding_window = getattr(hf, "sliding_window", None)
+    elif model_type in ("qwen2", "qwen3") and getattr(hf, "use_sliding_window", False):
+        raise UserError(
+            f"{config_path}: use_sliding_window=true is not supported for {model_type} "
+            "(per-layer windows); expected false"
+        )
+
+    num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        hidden_act=hidden_act,
+        attention_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
+        o_proj_bias=model_type in ("llama", "qwen3") and attention_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        sliding_window=sliding_window,
+        rope_type=rope_type,
+        bos_token_id=getattr(hf, "bos_token_id", None),
+        eos_token_ids=_as_tuple(getattr(hf, "eos_token_id", None)),
+        hf_config=hf,
+    )

@@ -1,0 +1,115 @@
+"""Plain (non-speculative) batched generation through the paged runtime: one ragged prefill, then decode steps."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.runtime.attention import BatchInfo
+from mtp_train.runtime.kv_cache import PageAllocator, Sequence
+from mtp_train.runtime.model import CausalLM
+from mtp_train.runtime.sampler import SamplingParams, sample
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated tokens (the stop token included when one ended the sequence)
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class GenerationStats:
+    target_forwards: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    new_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_seconds + self.decode_seconds
+        return self.new_tokens / total if total > 0 else 0.0
+
+
+def check_lengths(model: CausalLM, prompts: list[list[int]], max_new_tokens: int) -> None:
+    limit = model.config.max_position_embeddings
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise UserError(f"prompt {i} is empty")
+        if len(prompt) + max_new_tokens > limit:
+            raise UserError(
+                f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it exceeds the model's "
+                f"maximum of {limit} positions (max_position_embeddings)"
+            )
+
+
+def pages_for(prompts: list[list[int]], max_new_tokens: int, page_size: int, slack_tokens: int = 0) -> int:
+    return sum(-(-(len(p) + max_new_tokens + slack_tokens) // page_size) for p in prompts)
+
+
+@torch.inference_mode()
+def generate(
+    model: CausalLM,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    stop_token_ids: tuple[int, ...] = (),
+    seed: int = 0,
+    page_size: int = 16,
+    allocator: PageAllocator | None = None,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
+) -> tuple[list[GenerationResult], GenerationStats]:
+    """Generate for a batch of tokenized prompts. `on_tokens(seq_index, new_ids)` streams tokens as they come."""
+    check_lengths(model, prompts, max_new_tokens)
+    device = model.device
+    allocator = allocator or PageAllocator(pages_for(prompts, max_new_tokens, page_size), page_size)
+    kv_cache = model.new_kv_cache(allocator)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    stop = set(stop_token_ids)
+    sequences = [Sequence(i) for i in range(len(prompts))]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    finish = ["length"] * len(prompts)
+    stats = GenerationStats()
+
+    def commit(seq_indices: list[int], next_ids: torch.Tensor) -> list[int]:
+        """Record one sampled token per sequence; return those still running."""
+        running = []
+        for i, token in zip(seq_indices, next_ids.tolist()):
+            outputs[i].append(token)
+            if on_tokens:
+                on_tokens(i, [token])
+            if token in stop:
+                finish[i] = "stop"
+            if token in stop or len(outputs[i]) >= max_new_tokens:
+                sequences[i].release(allocator)
+            else:
+                running.append(i)
+        return running
+
+    try:
+        start = time.perf_counter()
+        batch = BatchInfo.for_sequences(sequences, [len(p) for p in prompts], allocator, device)
+        input_ids = torch.tensor([t for p in prompts for t in p], device=device)
+        logits = model(input_ids, batch, kv_cache, logits_indices=batch.last_token_indices()).logits
+        stats.target_forwards += 1
+        active = commit(list(range(len(prompts))), sample(logits, sampling, generator))
+        stats.prefill_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        while active:
+            batch = BatchInfo.for_sequences([sequences[i] for i in active], [1] * len(active), allocator, device)
+            input_ids = torch.tensor([outputs[i][-1] for i in active], device=device)
+            logits = model(input_ids, batch, kv_cache).logits
+            stats.target_forwards += 1
+            active = commit(active, sample(logits, sampling, generator))
+        stats.decode_seconds = time.perf_counter() - start
+    finally:
+        for seq in sequences:
+            if seq.pages:
+                seq.release(allocator)
+    stats.new_tokens = sum(len(o) for o in outputs)
+    return [GenerationResult(o, f) for o, f in zip(outputs, finish)], stats

@@ -1,0 +1,125 @@
+"""Build a `CausalLM` from a HF model directory (config.json + *.safetensors, single file or sharded)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.runtime.attention import get_backend
+from mtp_train.runtime.config import ModelConfig, load_config
+from mtp_train.runtime.model import CausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {device!r} requested but CUDA is not available on this machine; use --device cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        torch_dtype = dtype
+    elif dtype in DTYPES:
+        torch_dtype = DTYPES[dtype]
+    else:
+        raise UserError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
+    if device.type == "cpu" and torch_dtype == torch.float16:
+        raise UserError("dtype float16 is not available for CPU inference here; use bfloat16 or float32")
+    if device.type == "cuda" and torch_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise UserError("dtype bfloat16 is not supported by this GPU; use float16 or float32")
+    return torch_dtype
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise UserError(f"{index}: lists shard(s) that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{model_dir}: no *.safetensors weights found (expected model.safetensors or a sharded index)")
+    return files
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    for path in _weight_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    state[key] = f.get_tensor(key)
+        except Exception as err:
+            raise UserError(f"{path}: could not read safetensors ({err})") from None
+    return state
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device = "auto",
+    backend: str = "auto",
+) -> CausalLM:
+    """Load a target model for inference. Errors (missing files, unsupported options, missing tensors) are
+    `UserError`s naming the file and key."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise UserError(f"{model_dir}: model directory not found (run `mtp-train fetch-assets` for the default model)")
+    config: ModelConfig = load_config(model_dir)
+    device = resolve_device(device) if isinstance(device, str) else device
+    torch_dtype = resolve_dtype(dtype, device)
+    state = load_state_dict(model_dir)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
+    with torch.device("meta"):
+        model = CausalLM(config, backend=get_backend(backend, device))
+    expected = {k for k in model.state_dict().keys()}
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(k for k in state.keys() - expected if "rotary_emb" not in k)
+    if missing:
+        raise UserError(
+            f"{model_dir}: weights missing for {len(missing)} tensor(s), e.g. {', '.join(missing[:3])} "
+            f"(config.json says model_type={config.model_type}, {config.num_hidden_layers} layers)"
+        )
+    if unexpected:
+        raise UserError(
+            f"{model_dir}: unexpected tensor(s) {', '.join(unexpected[:3])} for model_type={config.model_type} "
+            "(an unsupported config option or a different architecture)"
+        )
+    for key in expected:
+        shape = tuple(model.state_dict()[key].shape)
+        if tuple(state[key].shape) != shape:
+            raise UserError(f"{model_dir}: tensor {key} has shape {tuple(state[key].shape)}, config implies {shape}")
+    model.load_state_dict({k: state[k].to(torch_dtype) for k in expected}, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as err:
+        raise UserError(f"{model_dir}: could not load the tokenizer ({err})") from None

@@ -1,0 +1,204 @@
+"""A compact decoder-only transformer for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3).
+
+Parameter names mirror transformers' (`model.layers.{i}.self_attn.q_proj.weight`, ...), so HF safetensors load
+directly and heads built from `DecoderLayer` export under the names serving engines expect. Numerics follow
+transformers: RMSNorm in fp32, rotary tables in fp32 cast to the activation dtype, SDPA attention.
+
+Every forward takes the flat concatenation of the batch's new tokens (`[num_tokens]`) and a `BatchInfo`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_train.runtime.attention import AttentionBackend, BatchInfo, TorchAttention
+from mtp_train.runtime.config import ModelConfig
+from mtp_train.runtime.kv_cache import KVCache, PageAllocator
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for arbitrary positions; inverse frequencies come from transformers' rope init functions,
+    so every rope-scaling variant (llama3, linear, yarn, longrope) matches it exactly."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf = config.hf_config
+        if config.rope_type == "default":
+            params = getattr(hf, "rope_parameters", None) or {}
+            base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+            dim = config.head_dim
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf, "cpu")
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = config.sliding_window
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, batch: BatchInfo, layer_cache, backend: AttentionBackend) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.attend(q, k, v, layer_cache, batch, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inter, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=config.mlp_bias)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block. `use_input_norm=False` drops input_layernorm (the EAGLE-1 head's first layer)."""
+
+    def __init__(self, config: ModelConfig, use_input_norm: bool = True):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if use_input_norm else None
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, batch: BatchInfo, layer_cache, backend: AttentionBackend) -> torch.Tensor:
+        attn_in = self.input_layernorm(x) if self.input_layernorm is not None else x
+        x = x + self.self_attn(attn_in, cos, sin, batch, layer_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [num_selected, vocab] fp32, rows chosen by `logits_indices` (all rows if None)
+    hidden: torch.Tensor | None  # [num_tokens, hidden]: last layer output after the final norm (what lm_head reads)
+    aux_hidden: dict[int, torch.Tensor]  # layer id -> [num_tokens, hidden]: output of decoder layer j (0-based)
+
+
+class TransformerBody(nn.Module):
+    """`model.*` in HF naming: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None):
+        super().__init__()
+        self.config = config
+        self.model = TransformerBody(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        with torch.device("cpu"):  # real tables even when the weights are built on the meta device
+            self.rotary = RotaryEmbedding(config)
+        self.backend = backend or TorchAttention()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def new_kv_cache(self, allocator: PageAllocator) -> KVCache:
+        c = self.config
+        return KVCache(allocator, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] post-norm states -> [n, vocab] fp32 logits."""
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        batch: BatchInfo,
+        kv_cache: KVCache | None = None,
+        logits_indices: torch.Tensor | None = None,
+        compute_logits: bool = True,
+        return_hidden: bool = False,
+        aux_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        aux_hidden: dict[int, torch.Tensor] = {}
+        for layer_id, layer in enumerate(self.model.layers):
+            layer_cache = kv_cache.layers[layer_id] if kv_cache is not None else None
+            x = layer(x, cos, sin, batch, layer_cache, self.backend)
+            if layer_id in aux_layers:
+                aux_hidden[layer_id] = x
+        hidden = self.model.norm(x)
+        logits = None
+        if compute_logits:
+            selected = hidden if logits_indices is None else hidden[logits_indices]
+            logits = self.compute_logits(selected)
+        return ForwardOutput(logits=logits, hidden=hidden if return_hidden else None, aux_hidden=aux_hidden)

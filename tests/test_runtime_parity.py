@@ -1,0 +1,153 @@
+"""Logits parity of our runtime with transformers (fp32) on tiny random models of every supported architecture:
+prefill, token-by-token decode through the paged cache, verify batches, ragged batches vs one sequence at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp_train.runtime.attention import BatchInfo
+from mtp_train.runtime.kv_cache import PageAllocator, Sequence
+from mtp_train.runtime.loader import load_model
+from tests.conftest import save_tiny_model
+
+TOL = 1e-4
+
+ARCHS = {
+    "llama": dict(model_type="llama"),
+    "llama-tied": dict(model_type="llama", tie_word_embeddings=True),
+    "llama3-rope": dict(
+        model_type="llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "llama-bias": dict(model_type="llama", attention_bias=True, mlp_bias=True),
+    "mistral-window": dict(model_type="mistral", sliding_window=7),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=24),
+}
+
+
+def hf_logits(hf_dir, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch(request, tmp_path_factory):
+    overrides = dict(ARCHS[request.param])
+    model_type = overrides.pop("model_type")
+    path = save_tiny_model(tmp_path_factory.mktemp(request.param), model_type, seed=len(request.param), **overrides)
+    model = load_model(path, dtype="float32", device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(2, 96, (n,), generator=gen).tolist() for n in (19, 5, 12)]
+    references = [hf_logits(path, ids) for ids in sequences]
+    return model, sequences, references
+
+
+def test_prefill_without_cache(arch):
+    model, sequences, references = arch
+    for ids, ref in zip(sequences, references):
+        out = model(torch.tensor(ids), BatchInfo.without_cache([len(ids)]))
+        assert (out.logits - ref).abs().max() <= TOL
+
+
+def test_ragged_prefill_matches_single_sequences(arch):
+    model, sequences, references = arch
+    flat = torch.tensor([t for ids in sequences for t in ids])
+    ragged = model(flat, BatchInfo.without_cache([len(s) for s in sequences])).logits
+    allocator = PageAllocator(32, page_size=4)
+    cache = model.new_kv_cache(allocator)
+    seqs = [Sequence(i) for i in range(len(sequences))]
+    paged = model(flat, BatchInfo.for_sequences(seqs, [len(s) for s in sequences], allocator), cache).logits
+    assert (ragged - torch.cat(references)).abs().max() <= TOL
+    assert (paged - torch.cat(references)).abs().max() <= TOL
+
+
+def test_decode_token_by_token_through_paged_cache(arch):
+    model, sequences, references = arch
+    allocator = PageAllocator(32, page_size=4)
+    cache = model.new_kv_cache(allocator)
+    seqs = [Sequence(i) for i in range(len(sequences))]
+    prompt_len = 3
+    flat = torch.tensor([t for ids in sequences for t in ids[:prompt_len]])
+    model(flat, BatchInfo.for_sequences(seqs, [prompt_len] * len(seqs), allocator), cache)
+    # Batched decode: all sequences step together while they have tokens left (ragged ends).
+    for pos in range(prompt_len, max(len(s) for s in sequences)):
+        active = [i for i, s in enumerate(sequences) if pos < len(s)]
+        batch = BatchInfo.for_sequences([seqs[i] for i in active], [1] * len(active), allocator)
+        logits = model(torch.tensor([sequences[i][pos] for i in active]), batch, cache).logits
+        for row, i in enumerate(active):
+            assert (logits[row] - references[i][pos]).abs().max() <= TOL, (i, pos)
+    for seq in seqs:
+        seq.release(allocator)
+    assert allocator.num_free == allocator.num_pages
+
+
+@pytest.mark.parametrize("verify_len", [1, 2, 3, 4, 5])
+def test_verify_batches(arch, verify_len):
+    """k new tokens per sequence attend to the cached prefix and causally to each other; then the rejected tail is
+    truncated and decoding continues correctly from the truncated cache."""
+    model, sequences, references = arch
+    ids = sequences[0]
+    allocator = PageAllocator(16, page_size=4)
+    cache = model.new_kv_cache(allocator)
+    seqs = [Sequence(0), Sequence(1)]
+    prefix = 6
+    other = sequences[2]
+    model(torch.tensor(ids[:prefix] + other[:prefix]), BatchInfo.for_sequences(seqs, [prefix, prefix], allocator), cache)
+    # Verify batch over two sequences at once (uniform lengths: padded path).
+    batch = BatchInfo.for_sequences(seqs, [verify_len, verify_len], allocator)
+    new = ids[prefix : prefix + verify_len] + other[prefix : prefix + verify_len]
+    logits = model(torch.tensor(new), batch, cache).logits
+    assert (logits[:verify_len] - references[0][prefix : prefix + verify_len]).abs().max() <= TOL
+    assert (logits[verify_len:] - references[2][prefix : prefix + verify_len]).abs().max() <= TOL
+    # Keep only the first accepted token; the next forward must see exactly prefix + 1 tokens.
+    seqs[0].truncate(prefix + 1, allocator)
+    batch = BatchInfo.for_sequences(seqs[:1], [1], allocator)
+    logits = model(torch.tensor([ids[prefix + 1]]), batch, cache).logits
+    assert (logits[0] - references[0][prefix + 1]).abs().max() <= TOL
+
+
+def test_ragged_verify_mixed_lengths(arch):
+    """Sequences bring different numbers of new tokens in one forward (per-sequence path)."""
+    model, sequences, references = arch
+    allocator = PageAllocator(32, page_size=4)
+    cache = model.new_kv_cache(allocator)
+    seqs = [Sequence(i) for i in range(3)]
+    prefixes = [7, 2, 5]
+    model(
+        torch.tensor([t for s, p in zip(sequences, prefixes) for t in s[:p]]),
+        BatchInfo.for_sequences(seqs, prefixes, allocator),
+        cache,
+    )
+    counts = [3, 1, 4]
+    new = [t for s, p, c in zip(sequences, prefixes, counts) for t in s[p : p + c]]
+    logits = model(torch.tensor(new), BatchInfo.for_sequences(seqs, counts, allocator), cache).logits
+    expected = torch.cat([r[p : p + c] for r, p, c in zip(references, prefixes, counts)])
+    assert (logits - expected).abs().max() <= TOL
+
+
+def test_hidden_states_and_aux_layers(arch):
+    from transformers import AutoModelForCausalLM
+
+    model, sequences, _ = arch
+    ids = sequences[0]
+    out = model(torch.tensor(ids), BatchInfo.without_cache([len(ids)]), return_hidden=True, aux_layers=(0,))
+    hf = AutoModelForCausalLM.from_pretrained(
+        model.config.hf_config._name_or_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        hf_out = hf(torch.tensor([ids]), output_hidden_states=True)
+    # HF: hidden_states[0] = embeddings, [j+1] = output of layer j, [-1] = final output after the norm.
+    assert (out.hidden - hf_out.hidden_states[-1][0]).abs().max() <= TOL
+    assert (out.aux_hidden[0] - hf_out.hidden_states[1][0]).abs().max() <= TOL

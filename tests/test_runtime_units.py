@@ -1,0 +1,96 @@
+"""Page allocator, sampler and loader errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.runtime.kv_cache import OutOfPagesError, PageAllocator, Sequence
+from mtp_train.runtime.loader import load_model
+from mtp_train.runtime.sampler import SamplingParams, processed_probs, sample
+from tests.conftest import save_tiny_model
+
+
+def test_allocator_no_leak_after_free():
+    allocator = PageAllocator(10, page_size=4)
+    seqs = [Sequence(i) for i in range(3)]
+    for seq, n in zip(seqs, (5, 9, 1)):
+        seq.reserve(n, allocator)
+        seq.num_cached = n
+    assert [len(s.pages) for s in seqs] == [2, 3, 1]
+    assert allocator.num_free == 4
+    assert len({p for s in seqs for p in s.pages}) == 6  # no page handed out twice
+    seqs[1].truncate(4, allocator)
+    assert len(seqs[1].pages) == 1 and allocator.num_free == 6
+    for seq in seqs:
+        seq.release(allocator)
+    assert allocator.num_free == allocator.num_pages
+
+
+def test_allocator_out_of_pages_is_clear():
+    allocator = PageAllocator(2, page_size=4)
+    seq = Sequence(0)
+    with pytest.raises(OutOfPagesError, match="out of pages: need 3 more page"):
+        seq.reserve(12, allocator)
+    assert allocator.num_free == 2  # a failed request takes nothing
+
+
+def test_double_free_detected():
+    allocator = PageAllocator(2, page_size=4)
+    pages = allocator.allocate(1)
+    allocator.free(pages)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        allocator.free(pages)
+
+
+def test_sampler_greedy_topk_topp():
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    assert sample(logits, SamplingParams()).item() == 1
+    probs = processed_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert probs[0, 0] == 0 and probs[0, 3] == 0 and abs(probs.sum() - 1) < 1e-6
+    probs = processed_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert probs[0].nonzero().flatten().tolist() == [1]  # the top token alone holds > 50%
+    gen = torch.Generator().manual_seed(0)
+    draws = sample(logits.expand(4000, -1), SamplingParams(temperature=1.0), gen)
+    freq = torch.bincount(draws, minlength=4).float() / 4000
+    assert (freq - logits.softmax(-1)[0]).abs().max() < 0.03
+
+
+def test_sampler_rejects_bad_params():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1, top_p=0)
+
+
+def test_loader_errors(tmp_path):
+    with pytest.raises(UserError, match="model directory not found"):
+        load_model(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match="config.json: not found"):
+        load_model(empty)
+    path = save_tiny_model(tmp_path / "tiny")
+    config = json.loads((path / "config.json").read_text())
+    bad = tmp_path / "gpt2ish"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(UserError, match="model_type 'gpt2' is not supported; supported: llama"):
+        load_model(bad)
+    with pytest.raises(UserError, match="float16 is not available for CPU"):
+        load_model(path, dtype="float16", device="cpu")
+    no_weights = tmp_path / "noweights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(UserError, match="no \\*.safetensors weights"):
+        load_model(no_weights)
+    rope = tmp_path / "rope"
+    rope.mkdir()
+    (rope / "config.json").write_text(
+        json.dumps({**config, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}})
+    )
+    with pytest.raises(UserError, match="dynamic"):
+        load_model(rope)
