@@ -1,0 +1,137 @@
+"""On-disk format of the feature cache written by `precompute` and read by `train` and `verify-features`.
+
+Layout of `<precompute.output_dir>/`:
+
+- `manifest.json` — written last, when every rank finished: format version, fingerprints (`target`, `tokenizer`,
+  `dataset`, `recipe`), storage dtype, hidden size, aux layer ids, world size, per split the sample count and the
+  list of shards (`name`, `rank`, `index`, `num_samples`, `num_tokens`, `nbytes`, `sha256`);
+- `progress-r{rank}.json` — each rank's finished shards so far (what a resumed run skips);
+- `{split}/shard-r{rank}-{k:05d}.safetensors` — tensors over the concatenated samples of the shard:
+  `offsets` int64 [n+1] (sample s owns rows offsets[s]:offsets[s+1]), `sample_index` int64 [n] (row of the
+  prepared split), `input_ids` int32 [T], `loss_mask` uint8 [T], `hidden` [T, d] (storage dtype) and, for
+  `float8_e4m3`, `hidden_scale` float32 [T]; with aux layers `aux_hidden` [T, n_aux, d] (+ `aux_hidden_scale`
+  [T, n_aux]).
+
+`hidden` row t is H_t, the target's last-layer output after the final norm at position t (what lm_head reads).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.fingerprint import file_sha256
+
+FORMAT_VERSION = 1
+MANIFEST_FILENAME = "manifest.json"
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e4m3": torch.float8_e4m3fn}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def shard_name(split: str, rank: int, index: int) -> str:
+    return f"{split}/shard-r{rank}-{index:05d}.safetensors"
+
+
+def progress_path(root: Path, rank: int) -> Path:
+    return root / f"progress-r{rank}.json"
+
+
+def encode_hidden(hidden: torch.Tensor, storage_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[..., d] states -> (stored tensor, per-vector float32 scale or None). fp8 keeps one scale per token so that
+    each vector's largest component maps to the fp8 maximum."""
+    if storage_dtype not in STORAGE_DTYPES:
+        raise UserError(f"storage dtype {storage_dtype!r} is not supported; expected one of {', '.join(STORAGE_DTYPES)}")
+    if storage_dtype != "float8_e4m3":
+        return hidden.to(STORAGE_DTYPES[storage_dtype]).contiguous(), None
+    hidden32 = hidden.float()
+    scale = hidden32.abs().amax(-1).clamp(min=1e-12) / FP8_MAX  # [...]
+    stored = (hidden32 / scale[..., None]).to(torch.float8_e4m3fn)
+    return stored.contiguous(), scale.contiguous()
+
+
+def decode_hidden(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if scale is None:
+        return stored.to(dtype)
+    return (stored.float() * scale[..., None]).to(dtype)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.errno == errno.ENOSPC:
+            raise UserError(f"{path}: disk full while writing; free space and rerun the same command to resume") from None
+        raise
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    _atomic_write_bytes(path, (json.dumps(value, indent=2, sort_keys=False) + "\n").encode())
+
+
+def write_shard(path: Path, samples: list[dict[str, torch.Tensor | int]], storage_dtype: str) -> dict[str, Any]:
+    """Write one shard atomically. Each sample: `sample_index` int, `input_ids` [T] , `loss_mask` [T],
+    `hidden` [T, d], optional `aux_hidden` [T, n_aux, d]. Returns the shard's record (sha256 over the file)."""
+    from safetensors.torch import save
+
+    lengths = [int(s["input_ids"].shape[0]) for s in samples]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    hidden, hidden_scale = encode_hidden(torch.cat([s["hidden"] for s in samples]), storage_dtype)
+    tensors = {
+        "offsets": offsets,
+        "sample_index": torch.tensor([int(s["sample_index"]) for s in samples], dtype=torch.int64),
+        "input_ids": torch.cat([s["input_ids"] for s in samples]).to(torch.int32).contiguous(),
+        "loss_mask": torch.cat([s["loss_mask"] for s in samples]).to(torch.uint8).contiguous(),
+        "hidden": hidden,
+    }
+    if hidden_scale is not None:
+        tensors["hidden_scale"] = hidden_scale
+    if samples[0].get("aux_hidden") is not None:
+        aux, aux_scale = encode_hidden(torch.cat([s["aux_hidden"] for s in samples]), storage_dtype)
+        tensors["aux_hidden"] = aux
+        if aux_scale is not None:
+            tensors["aux_hidden_scale"] = aux_scale
+    # One metadata key only: safetensors writes metadata from a hash map, so several keys come out in a random
+    # order and identical shards would differ byte-wise (the format version lives in the manifest).
+    data = save(tensors, metadata={"format": "pt"})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_bytes(path, data)
+    import hashlib
+
+    return {
+        "num_samples": len(samples),
+        "num_tokens": int(offsets[-1]),
+        "nbytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+def load_manifest(root: Path) -> dict[str, Any]:
+    path = Path(root) / MANIFEST_FILENAME
+    if not path.is_file():
+        done = sorted(Path(root).glob("progress-r*.json"))
+        hint = f" ({len(done)} rank progress file(s) present: precompute has not finished)" if done else ""
+        raise UserError(f"{path}: not found{hint}; run `mtp-train precompute` (it resumes)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: invalid JSON ({err})") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"{path}: format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
+    return manifest
+
+
+def shard_sha256_ok(root: Path, record: dict[str, Any]) -> bool:
+    path = root / record["name"]
+    return path.is_file() and path.stat().st_size == record["nbytes"] and file_sha256(path) == record["sha256"]

@@ -1,0 +1,341 @@
+"""`mtp-train precompute`: run the target through our runtime over the prepared data and cache its hidden states.
+
+Runs alone or under `torchrun --nproc_per_node=N -m mtp_train precompute ...` (multi-node too). The work plan is a
+pure function of the prepared data, the world size and the recipe: samples are sorted by length and dealt
+round-robin to ranks (balanced, disjoint), each rank cuts its list into shards of `samples_per_shard`, and packs
+each shard into batches of at most `tokens_per_batch` tokens run as one ragged prefill (no padding, no logits).
+A shard is recorded in the rank's progress file only after its file is completely written (atomic rename), so a
+rerun after a kill skips finished shards and recomputes the rest identically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.features.format import (
+    FORMAT_VERSION,
+    MANIFEST_FILENAME,
+    STORAGE_DTYPES,
+    load_manifest,
+    progress_path,
+    shard_name,
+    shard_sha256_ok,
+    write_json_atomic,
+    write_shard,
+)
+
+log = logging.getLogger(__name__)
+SPLITS = ("train", "eval")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @staticmethod
+    def from_environ() -> "DistEnv":
+        return DistEnv(
+            int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+        )
+
+
+def plan_rank_shards(lengths: list[int], rank: int, world_size: int, samples_per_shard: int) -> list[list[int]]:
+    """This rank's shards as lists of sample indices: longest first, dealt round-robin over ranks."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    mine = order[rank::world_size]
+    return [mine[k : k + samples_per_shard] for k in range(0, len(mine), samples_per_shard)]
+
+
+def pack_batches(indices: list[int], lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
+    """Consecutive (length-sorted) samples packed while the batch stays within the token budget; a sample longer
+    than the budget runs alone."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for i in indices:
+        if current and tokens + lengths[i] > tokens_per_batch:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += lengths[i]
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _split_lengths(dataset) -> list[int]:
+    column = dataset.with_format("arrow")[:].column("input_ids").combine_chunks()
+    return column.value_lengths().to_pylist()
+
+
+def _header(recipe, prepared, target_fp: str, world_size: int, hidden_size: int) -> dict[str, Any]:
+    from mtp_train.recipe import recipe_hash
+
+    return {
+        "format_version": FORMAT_VERSION,
+        "fingerprints": {
+            "target": target_fp,
+            "tokenizer": prepared.fingerprint.get("tokenizer_hash"),
+            "dataset": prepared.fingerprint.get("dataset_hash"),
+            "recipe": recipe_hash(recipe, ["precompute"])[:16],
+        },
+        "target_path": str(recipe.target.path),
+        "target_dtype": recipe.target.dtype,
+        "storage_dtype": recipe.precompute.storage_dtype,
+        "hidden_size": hidden_size,
+        "aux_layers": list(recipe.precompute.aux_layers),
+        "world_size": world_size,
+    }
+
+
+def _compare_headers(existing: dict[str, Any], current: dict[str, Any], where: Path) -> None:
+    for key in ("format_version", "storage_dtype", "hidden_size", "aux_layers", "world_size"):
+        if existing.get(key) != current.get(key):
+            raise UserError(
+                f"{where}: existing cache has {key}={existing.get(key)!r}, this run {current.get(key)!r}; refusing to "
+                "mix (use the same settings to resume, another precompute.output_dir, or --force to start over)"
+            )
+    for key, value in current["fingerprints"].items():
+        if existing.get("fingerprints", {}).get(key) != value:
+            raise UserError(
+                f"{where}: fingerprint '{key}' differs from the existing cache "
+                f"({existing.get('fingerprints', {}).get(key)} vs {value}); refusing to append (another "
+                "precompute.output_dir, or --force to start over)"
+            )
+
+
+class _GlobalProgress:
+    """Rank 0's progress bar over all ranks' tokens: its own per batch, the others' from their progress files."""
+
+    def __init__(self, root: Path, env: DistEnv, total_tokens: int, done_tokens: int):
+        from tqdm import tqdm
+
+        self.root, self.env = root, env
+        self.own_tokens = done_tokens
+        self.bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="precompute", disable=env.rank != 0,
+                        smoothing=0.1)
+        self.bar.update(self._others_tokens() + done_tokens)
+        self._last_poll = time.monotonic()
+
+    def _others_tokens(self) -> int:
+        import json
+
+        total = 0
+        for rank in range(self.env.world_size):
+            if rank == self.env.rank:
+                continue
+            try:
+                shards = json.loads(progress_path(self.root, rank).read_text())["shards"]
+            except (OSError, ValueError, KeyError):
+                continue
+            total += sum(record["num_tokens"] for record in shards.values())
+        return total
+
+    def advance(self, tokens: int) -> None:
+        self.own_tokens += tokens
+        if self.env.rank != 0:
+            return
+        now = time.monotonic()
+        if now - self._last_poll > 2.0 or self.env.world_size == 1:
+            self._last_poll = now
+            self.bar.n = min(self.bar.total, self.own_tokens + self._others_tokens())
+            self.bar.refresh()
+        else:
+            self.bar.update(tokens)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> Path:
+    """Compute (or finish) the feature cache of `recipe`; returns its directory. Collective under torchrun."""
+    from mtp_train.data.prepared import load_prepared
+    from mtp_train.fingerprint import target_fingerprint
+    from mtp_train.recipe import save_resolved
+    from mtp_train.runtime.attention import BatchInfo
+    from mtp_train.runtime.loader import load_model
+
+    env = env or DistEnv.from_environ()
+    dist = _init_distributed(env)
+    pre = recipe.precompute
+    root = Path(pre.output_dir or f"data/features/{recipe.name}")
+    prepared_dir = Path(recipe.data.output_dir or f"data/prepared/{recipe.name}")
+    prepared = load_prepared(prepared_dir)
+    splits = {"train": prepared.train, "eval": prepared.eval}
+
+    if force and env.rank == 0 and root.exists():
+        shutil.rmtree(root)
+    _barrier(dist)
+
+    device = torch.device(f"cuda:{env.local_rank}") if recipe.target.device in ("auto", "cuda") and torch.cuda.is_available() else torch.device("cpu")
+    model = load_model(recipe.target.path, dtype=recipe.target.dtype, device=device)
+    num_layers = model.config.num_hidden_layers
+    bad_layers = [j for j in pre.aux_layers if j >= num_layers]
+    if bad_layers:
+        raise UserError(f"precompute.aux_layers: {bad_layers} out of range; the target has {num_layers} layers (0-based)")
+    header = _header(recipe, prepared, target_fingerprint(recipe.target.path), env.world_size, model.config.hidden_size)
+
+    if (root / MANIFEST_FILENAME).is_file():
+        manifest = load_manifest(root)
+        _compare_headers(manifest, header, root / MANIFEST_FILENAME)
+        if env.rank == 0:
+            print(f"precompute: {root} is already complete ({_summary(manifest)}); nothing to do")
+        _barrier(dist)
+        return root
+
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in [*root.glob(f"*/.shard-r{env.rank}-*.tmp-*"), *root.glob(f".progress-r{env.rank}.json.tmp-*")]:
+        stale.unlink(missing_ok=True)  # a write interrupted by a kill
+    my_progress = progress_path(root, env.rank)
+    done: dict[str, dict[str, Any]] = {}
+    if my_progress.is_file():
+        import json
+
+        existing = json.loads(my_progress.read_text())
+        _compare_headers(existing["header"], header, my_progress)
+        # Keep only shards whose file is intact; a damaged one is recomputed.
+        done = {name: rec for name, rec in existing["shards"].items() if shard_sha256_ok(root, rec)}
+    if env.rank == 0:
+        save_resolved(recipe, root)
+
+    work: list[tuple[str, int, list[int], list[int]]] = []  # (split, shard index, sample indices, lengths)
+    total_tokens = done_tokens = 0
+    split_lengths = {split: _split_lengths(ds) for split, ds in splits.items()}
+    for split, lengths in split_lengths.items():
+        total_tokens += sum(lengths)  # all ranks: rank 0's bar shows the global view
+        for index, shard in enumerate(plan_rank_shards(lengths, env.rank, env.world_size, pre.samples_per_shard)):
+            name = shard_name(split, env.rank, index)
+            if name in done:
+                done_tokens += done[name]["num_tokens"]
+            else:
+                work.append((split, index, shard, lengths))
+
+    progress = _GlobalProgress(root, env, total_tokens, done_tokens)
+    aux_layers = tuple(pre.aux_layers)
+    started = time.perf_counter()
+    computed_tokens = 0
+    try:
+        for split, index, shard, lengths in work:
+            dataset = splits[split]
+            samples = []
+            for batch_indices in pack_batches(shard, lengths, pre.tokens_per_batch):
+                rows = dataset.select(batch_indices)
+                ids = [torch.tensor(r, dtype=torch.int64) for r in rows["input_ids"]]
+                masks = [torch.tensor(m, dtype=torch.uint8) for m in rows["loss_mask"]]
+                batch_lengths = [len(t) for t in ids]
+                out = model(
+                    torch.cat(ids).to(device),
+                    BatchInfo.without_cache(batch_lengths, device),
+                    compute_logits=False,
+                    return_hidden=True,
+                    aux_layers=aux_layers,
+                )
+                hidden_rows = out.hidden.cpu().split(batch_lengths)
+                aux_rows = (
+                    torch.stack([out.aux_hidden[j] for j in aux_layers], dim=1).cpu().split(batch_lengths)
+                    if aux_layers
+                    else [None] * len(ids)
+                )
+                for sample_index, token_ids, mask, hidden, aux in zip(batch_indices, ids, masks, hidden_rows, aux_rows):
+                    samples.append(
+                        {"sample_index": sample_index, "input_ids": token_ids, "loss_mask": mask, "hidden": hidden,
+                         "aux_hidden": aux}
+                    )
+                progress.advance(sum(batch_lengths))
+                computed_tokens += sum(batch_lengths)
+            name = shard_name(split, env.rank, index)
+            record = write_shard(root / name, samples, pre.storage_dtype)
+            done[name] = {"name": name, "split": split, "rank": env.rank, "index": index, **record}
+            write_json_atomic(my_progress, {"header": header, "shards": done})
+    finally:
+        progress.close()
+    elapsed = time.perf_counter() - started
+    if computed_tokens:
+        log.info("rank %d: %d tokens in %.1f s (%.0f tokens/s)", env.rank, computed_tokens, elapsed,
+                 computed_tokens / max(elapsed, 1e-9))
+    _barrier(dist)
+    if env.rank == 0:
+        manifest = _merge_manifest(root, header, split_lengths)
+        print(f"precompute: wrote {root} ({_summary(manifest)})")
+    _barrier(dist)
+    return root
+
+
+def _merge_manifest(root: Path, header: dict[str, Any], split_lengths: dict[str, list[int]]) -> dict[str, Any]:
+    import json
+
+    records = []
+    for rank in range(header["world_size"]):
+        path = progress_path(root, rank)
+        if not path.is_file():
+            raise UserError(f"{path}: missing after all ranks finished (a rank failed?); rerun to resume")
+        records.extend(json.loads(path.read_text())["shards"].values())
+    manifest = {
+        **header,
+        "splits": {
+            split: {
+                "num_samples": len(lengths),
+                "num_tokens": sum(lengths),
+                "shards": sorted((r for r in records if r["split"] == split), key=lambda r: (r["rank"], r["index"])),
+            }
+            for split, lengths in split_lengths.items()
+        },
+    }
+    for split, info in manifest["splits"].items():
+        covered = sum(r["num_samples"] for r in info["shards"])
+        if covered != info["num_samples"]:
+            raise UserError(f"{root}: split {split} has {covered} of {info['num_samples']} samples in shards; rerun")
+    nbytes = sum(r["nbytes"] for info in manifest["splits"].values() for r in info["shards"])
+    tokens = sum(info["num_tokens"] for info in manifest["splits"].values())
+    manifest["bytes_per_token"] = round(nbytes / max(tokens, 1), 2)
+    write_json_atomic(root / MANIFEST_FILENAME, manifest)
+    return manifest
+
+
+def _summary(manifest: dict[str, Any]) -> str:
+    parts = [
+        f"{split}: {info['num_samples']} samples, {info['num_tokens']} tokens, {len(info['shards'])} shards"
+        for split, info in manifest["splits"].items()
+    ]
+    return "; ".join(parts) + f"; {manifest['storage_dtype']}, {manifest.get('bytes_per_token')} bytes/token"
+
+
+def _init_distributed(env: DistEnv):
+    if env.world_size <= 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
+        if backend == "nccl":
+            torch.cuda.set_device(env.local_rank)
+    return dist
+
+
+def _barrier(dist) -> None:
+    if dist is not None:
+        dist.barrier()
+
+
+def run_precompute_cli(args: argparse.Namespace) -> int:
+    from mtp_train.recipe import recipe_from_args
+
+    recipe = recipe_from_args(args)
+    if recipe.precompute.storage_dtype not in STORAGE_DTYPES:
+        raise UserError(f"precompute.storage_dtype: {recipe.precompute.storage_dtype!r} not supported")
+    run_precompute(recipe, force=args.force)
+    return 0

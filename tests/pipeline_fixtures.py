@@ -1,0 +1,76 @@
+"""A whole tiny pipeline on disk for stage tests: a tiny random Llama target with a tiny ChatML tokenizer, a
+synthetic ShareGPT file, a recipe pointing at temporary directories, and the prepared dataset."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from tests.conftest import save_tiny_model
+from tests.conftest_data import SMOLLM2_CHATML_TEMPLATE, build_tokenizer
+
+WORDS = (
+    "the model drafts tokens and the target verifies them in one pass so generation is faster when drafts are "
+    "accepted hello world python code data cache page head layer norm train loss step rank shard"
+).split()
+
+
+def synthetic_sharegpt(path: Path, num_conversations: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(num_conversations):
+        turns = []
+        for _ in range(rng.randint(1, 2)):
+            turns.append({"from": "human", "value": " ".join(rng.choices(WORDS, k=rng.randint(3, 12)))})
+            turns.append({"from": "gpt", "value": " ".join(rng.choices(WORDS, k=rng.randint(4, 30)))})
+        rows.append({"id": f"conv-{i}", "conversations": turns})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def make_tiny_target(directory: Path, seed: int = 0, **overrides) -> Path:
+    tokenizer = build_tokenizer(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], bos="<|im_start|>", eos="<|im_end|>",
+        chat_template=SMOLLM2_CHATML_TEMPLATE,
+    )
+    save_tiny_model(
+        directory, "llama", seed=seed, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, **overrides
+    )
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def tiny_recipe_overrides(root: Path, target: Path, source: Path, **extra) -> list[str]:
+    overrides = {
+        "name": "tiny",
+        "target.path": str(target),
+        "target.dtype": "float32",
+        "target.device": "cpu",
+        "data.sources": f"[{{path: '{source}', format: sharegpt}}]",
+        "data.output_dir": str(root / "prepared"),
+        "data.eval_fraction": "0.1",
+        "data.max_seq_len": "128",
+        "precompute.output_dir": str(root / "features"),
+        "precompute.samples_per_shard": "4",
+        "precompute.tokens_per_batch": "256",
+        "train.run_dir": str(root / "run"),
+        "tracking.wandb.mode": "disabled",
+    }
+    overrides.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in overrides.items()]
+
+
+def tiny_pipeline(root: Path, num_conversations: int = 40, seed: int = 0, **extra):
+    """Returns (recipe, overrides) after running `prepare` into `root/prepared`."""
+    from mtp_train.data.prepare import prepare_dataset
+    from mtp_train.recipe import load_recipe
+
+    root.mkdir(parents=True, exist_ok=True)
+    target = make_tiny_target(root / "target", seed=seed)
+    source = synthetic_sharegpt(root / "chats.jsonl", num_conversations, seed=seed)
+    overrides = tiny_recipe_overrides(root, target, source, **extra)
+    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "smollm2-135m-mtp.yaml", overrides)
+    prepare_dataset(recipe, show_progress=False)
+    return recipe, overrides

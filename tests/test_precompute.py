@@ -1,0 +1,163 @@
+"""Precompute: features equal transformers' hidden states; torchrun sharding covers every sample once; a killed
+run resumes to byte-identical shards; verify-features catches corruption; caches refuse another target."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.features.format import decode_hidden, encode_hidden, load_manifest
+from mtp_train.features.precompute import pack_batches, plan_rank_shards, run_precompute
+from mtp_train.features.verify import verify_features
+from tests.pipeline_fixtures import tiny_pipeline
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "smollm2-135m-mtp.yaml"
+
+
+def _cli(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, **kwargs)
+
+
+def _shard_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("shard-*.safetensors"))}
+
+
+def _read_samples(root: Path, split: str = "train") -> dict[int, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    manifest = load_manifest(root)
+    samples = {}
+    for record in manifest["splits"][split]["shards"]:
+        t = load_file(root / record["name"])
+        hidden = decode_hidden(t["hidden"], t.get("hidden_scale"))
+        for s, index in enumerate(t["sample_index"].tolist()):
+            a, b = t["offsets"][s].item(), t["offsets"][s + 1].item()
+            samples[index] = {"input_ids": t["input_ids"][a:b], "loss_mask": t["loss_mask"][a:b], "hidden": hidden[a:b]}
+    return samples
+
+
+def test_plan_is_disjoint_balanced_and_packs_by_tokens():
+    lengths = [5, 50, 7, 30, 30, 2, 9, 41, 13]
+    plans = [plan_rank_shards(lengths, r, 2, samples_per_shard=2) for r in range(2)]
+    everything = sorted(i for plan in plans for shard in plan for i in shard)
+    assert everything == list(range(len(lengths)))
+    totals = [sum(lengths[i] for shard in plan for i in shard) for plan in plans]
+    assert abs(totals[0] - totals[1]) <= max(lengths)
+    batches = pack_batches([1, 7, 3, 4, 8], lengths, tokens_per_batch=60)
+    assert batches == [[1], [7], [3, 4], [8]]  # 50 | 41 | 30+30 | 13
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float16", "float8_e4m3"])
+def test_storage_roundtrip_error(storage):
+    hidden = torch.randn(64, 32) * 3
+    stored, scale = encode_hidden(hidden, storage)
+    error = (decode_hidden(stored, scale) - hidden).abs() / hidden.abs().amax(-1, keepdim=True)
+    assert error.max() < {"bfloat16": 2**-8, "float16": 2**-11, "float8_e4m3": 2**-3}[storage]
+
+
+def test_features_match_transformers_hidden_states(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    recipe, _ = tiny_pipeline(tmp_path, num_conversations=24)
+    root = run_precompute(recipe)
+    assert verify_features(root, recipe.target.path, progress=False).ok
+    hf = AutoModelForCausalLM.from_pretrained(recipe.target.path, dtype=torch.float32).eval()
+    samples = _read_samples(root)
+    assert len(samples) > 10
+    for index in list(samples)[:6]:
+        sample = samples[index]
+        with torch.no_grad():
+            ref = hf(sample["input_ids"][None].long(), output_hidden_states=True).hidden_states[-1][0]
+        # fp32 compute, bf16 storage: equal within bf16 rounding of each value.
+        tol = ref.abs() * 2**-8 + 1e-4
+        assert ((sample["hidden"] - ref).abs() <= tol).all()
+
+
+def test_torchrun_two_ranks_cover_every_sample_once(tmp_path):
+    recipe, overrides = tiny_pipeline(tmp_path, num_conversations=30)
+    sets = [a for o in overrides for a in ("--set", o)]
+    result = _cli(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-port=29517", "-m",
+         "mtp_train", "precompute", "--recipe", str(RECIPE), *sets],
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    root = Path(recipe.precompute.output_dir)
+    manifest = load_manifest(root)
+    assert manifest["world_size"] == 2
+    assert {r["rank"] for r in manifest["splits"]["train"]["shards"]} == {0, 1}
+    report = verify_features(root, progress=False)
+    assert report.ok, report.problems
+    assert report.samples == sum(info["num_samples"] for info in manifest["splits"].values())
+
+
+def test_sigkill_then_resume_is_byte_identical(tmp_path):
+    recipe, overrides = tiny_pipeline(tmp_path / "a", num_conversations=160, **{"precompute.samples_per_shard": 2,
+                                                                               "precompute.tokens_per_batch": 32})
+    reference_root = run_precompute(recipe)
+    reference = _shard_bytes(reference_root)
+    killed_root = tmp_path / "killed"
+    sets = [a for o in overrides for a in ("--set", o)] + ["--set", f"precompute.output_dir={killed_root}"]
+    command = [sys.executable, "-m", "mtp_train", "precompute", "--recipe", str(RECIPE), *sets]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    progress = killed_root / "progress-r0.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if progress.is_file() and progress.read_text().count('"sha256"') >= 3:
+            break
+        time.sleep(0.002)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (killed_root / "manifest.json").exists(), "the run finished before it could be killed"
+    partial = len(_shard_bytes(killed_root))
+    assert 0 < partial < len(reference)
+    result = _cli(command, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _shard_bytes(killed_root) == reference
+    assert not list(killed_root.rglob("*.tmp-*"))  # no leftovers of the killed write
+
+
+def test_verify_catches_flipped_byte_and_truncation(tmp_path):
+    recipe, _ = tiny_pipeline(tmp_path, num_conversations=16)
+    root = run_precompute(recipe)
+    shards = sorted(root.rglob("shard-*.safetensors"))
+    flipped, truncated = shards[0], shards[1]
+    data = bytearray(flipped.read_bytes())
+    data[-5] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    report = verify_features(root, progress=False)
+    assert not report.ok
+    text = "\n".join(report.problems)
+    assert f"{flipped.relative_to(root)}: sha256 mismatch" in text
+    assert f"{truncated.relative_to(root)}: size" in text and "truncated" in text
+    assert "missing from every shard" in text  # coverage reports the samples those shards held
+    result = _cli([sys.executable, "-m", "mtp_train", "verify-features", str(root)])
+    assert result.returncode == 1 and "FAILED" in result.stdout
+
+
+def test_refuses_to_append_for_another_target(tmp_path):
+    from mtp_train.recipe import load_recipe
+    from tests.pipeline_fixtures import make_tiny_target
+
+    recipe, overrides = tiny_pipeline(tmp_path, num_conversations=16)
+    root = run_precompute(recipe)
+    (root / "manifest.json").unlink()  # pretend it was interrupted: progress files remain
+    other = make_tiny_target(tmp_path / "other-target", seed=7)
+    shutil.copy(Path(recipe.target.path) / "tokenizer.json", other / "tokenizer.json")
+    changed = load_recipe(RECIPE, overrides + [f"target.path={other}"])
+    with pytest.raises(UserError, match="fingerprint 'target' differs"):
+        run_precompute(changed)
+    assert verify_features(root, other, progress=False).ok is False
