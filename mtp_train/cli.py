@@ -19,6 +19,8 @@ from mtp_train.errors import UserError
 STAGE_MODULES = [
     "mtp_train.assets",
     "mtp_train.runtime.cli",
+    "mtp_train.data.prepare",
+    "mtp_train.features.cli",
 ]
 
 

@@ -1,0 +1,43 @@
+"""Conversation data: loading (ShareGPT / messages / MT-bench / HF datasets), chat-template rendering with exact
+assistant-only loss masks, self-distillation regeneration, and the prepared-dataset format.
+
+Submodules (none imports torch/transformers/datasets at import time, so `mtp-train --help` stays fast):
+
+- `conversations`: rows → `Conversation`s with normalized roles; skip accounting (`SourceStats`, `RowSkipped`);
+- `templating`: `load_chat_tokenizer`, `AssistantMaskRenderer` (input_ids + loss_mask for any chat template);
+- `regenerate`: `regenerate_conversations(conversations, generate_fn, progress_path)`, resumable;
+- `prepared`: the on-disk format of `prepare`'s output (`load_prepared`, fingerprints, split assignment);
+- `prepare`: the `mtp-train prepare` stage (`prepare_dataset`, `register`).
+"""
+
+from mtp_train.data.conversations import (
+    Conversation,
+    Message,
+    RowSkipped,
+    SourceStats,
+    iter_conversations,
+    normalize_for_training,
+    read_conversations,
+)
+from mtp_train.data.prepared import PreparedDataset, eval_split_of, load_prepared, prompt_before_first_reply
+from mtp_train.data.regenerate import GenerateFn, regenerate_conversations
+from mtp_train.data.templating import AssistantMaskRenderer, TokenizedConversation, load_chat_tokenizer
+
+__all__ = [
+    "AssistantMaskRenderer",
+    "Conversation",
+    "GenerateFn",
+    "Message",
+    "PreparedDataset",
+    "RowSkipped",
+    "SourceStats",
+    "TokenizedConversation",
+    "eval_split_of",
+    "iter_conversations",
+    "load_chat_tokenizer",
+    "load_prepared",
+    "normalize_for_training",
+    "prompt_before_first_reply",
+    "read_conversations",
+    "regenerate_conversations",
+]

@@ -1,0 +1,507 @@
+"""Conversation loading: ShareGPT / OpenAI `messages` / MT-bench `turns` rows from JSON, JSONL, HF datasets, parquet.
+
+Every source is read row by row into `Conversation`s with normalized roles (system / user / assistant). A row that
+cannot be used raises `RowSkipped` with a stable `reason` (counted per source in `SourceStats`, reported in
+stats.json) and a `detail` naming the file and line; with `strict=True` a *malformed* row (bad JSON, unknown role,
+wrong types) is a `UserError` instead. Nothing is dropped silently.
+
+Containers (chosen from the path): a directory is an HF `datasets` directory (`load_from_disk`); `*.parquet` is a
+parquet file; anything else is JSON: a top-level array of records (read record by record, so a file cut off in the
+middle of a record still yields every complete record before the cut) or JSON Lines.
+
+Row schemas (`format`): sharegpt = `conversations: [{from, value} | {role, content}]` (plus optional `system`);
+messages = `messages: [{role, content}]` (content a string or a list of `{type: text, text}` parts);
+mt_bench = `turns: [str, ...]` (user turns only: prompts, no assistant reply). `auto` detects the schema from the
+first record of each file; `hf` means "HF container, schema auto-detected".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from mtp_train.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["system", "user", "assistant"]
+Message = dict[str, str]
+"""One chat message: {"role": "system" | "user" | "assistant", "content": str}."""
+
+ROLE_ALIASES: dict[str, Role] = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+}
+
+ROW_FORMATS = ("sharegpt", "messages", "mt_bench")
+_FORMAT_KEYS = {"sharegpt": "conversations", "messages": "messages", "mt_bench": "turns"}
+_ID_KEYS = ("id", "question_id", "conversation_id", "uid")
+_JSON_CHUNK_CHARS = 1 << 22
+
+
+@dataclass
+class Conversation:
+    """A conversation read from a source.
+
+    source_id: stable identifier `<source stem>:<row id>` (the row's own id field, else `#<row index>`); it
+    drives the train/eval split and regeneration resume. origin: where the row came from (`file:line`), for
+    messages about it. metadata: extra row fields worth keeping (e.g. MT-bench `category`).
+    """
+
+    source_id: str
+    messages: list[Message]
+    origin: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class RowSkipped(Exception):
+    """A row that cannot be used.
+
+    reason: short stable category used as the counter key (e.g. "malformed JSON", "unknown role: tool").
+    detail: full one-line explanation naming file and row. malformed: bad input (fails under --strict) as opposed
+    to a row that is valid but unusable for training (e.g. no assistant turn).
+    """
+
+    def __init__(self, reason: str, detail: str, malformed: bool) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+        self.malformed = malformed
+
+
+@dataclass
+class SourceStats:
+    """Counters for one source. `skipped` maps reason → rows; `adjusted` maps a fix applied to kept rows → rows."""
+
+    path: str
+    format: str = "auto"
+    rows_read: int = 0
+    kept: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    adjusted: Counter[str] = field(default_factory=Counter)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.format,
+            "rows_read": self.rows_read,
+            "kept": self.kept,
+            "skipped": dict(sorted(self.skipped.items())),
+            "adjusted": dict(sorted(self.adjusted.items())),
+        }
+
+
+@dataclass
+class RawRow:
+    """One record of a source before parsing. `record` is None when `error` says why the record is unreadable."""
+
+    index: int
+    location: str
+    record: Any = None
+    error: RowSkipped | None = None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Containers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _JsonArrayCursor:
+    """A read position in a JSON text that is read from a stream in chunks, with the current line number."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.buffer = ""
+        self.position = 0
+        self.at_eof = False
+        self.line = 1
+        self._lines_counted_to = 0
+        self.refill()
+
+    def refill(self) -> bool:
+        """Append the next chunk (dropping what lies before `position`); False at the end of the file."""
+        if self.at_eof:
+            return False
+        self.line_number()  # count the newlines of the part about to be dropped
+        chunk = self.stream.read(_JSON_CHUNK_CHARS)
+        self.at_eof = len(chunk) < _JSON_CHUNK_CHARS
+        self.buffer = self.buffer[self.position :] + chunk
+        self.position = 0
+        self._lines_counted_to = 0
+        return bool(chunk)
+
+    def line_number(self) -> int:
+        """1-based line of `position` (counted incrementally: positions only move forward)."""
+        self.line += self.buffer.count("\n", self._lines_counted_to, self.position)
+        self._lines_counted_to = self.position
+        return self.line
+
+    def peek(self) -> str:
+        """The next non-whitespace character ('' at the end of the file), moving `position` onto it."""
+        while True:
+            while self.position < len(self.buffer) and self.buffer[self.position] in " \t\r\n":
+                self.position += 1
+            if self.position < len(self.buffer):
+                return self.buffer[self.position]
+            if not self.refill():
+                return ""
+
+
+def _iter_json_array(path: Path) -> Iterator[RawRow]:
+    """Records of a top-level JSON array, decoded one at a time with `JSONDecoder.raw_decode`.
+
+    A record cut off by the end of the file (a truncated download: the file does not end with `]`) ends the
+    file with one "truncated JSON record" row, not counted as malformed, so `--strict` still reads such files.
+    A malformed record ends the file with one "malformed JSON" row: inside an array there is no reliable way to
+    resynchronize after it.
+    """
+    decoder = json.JSONDecoder()
+    with path.open(encoding="utf-8") as stream:
+        cursor = _JsonArrayCursor(stream)
+        if cursor.peek() != "[":
+            raise UserError(f"{path}: expected a JSON array of records or JSON Lines")
+        cursor.position += 1
+        index = 0
+        expect_record = True
+        while True:
+            next_char = cursor.peek()
+            if next_char == "]":
+                return
+            if next_char == "":
+                logger.warning(
+                    "%s: line %d: the JSON array ends without ']' after %d records", path, cursor.line, index
+                )
+                return
+            if not expect_record:
+                if next_char != ",":
+                    line = cursor.line_number()
+                    detail = f"{path}: line {line}: expected ',' or ']' after record {index}, got {next_char!r}"
+                    yield RawRow(index, f"{path}:{line}", error=RowSkipped("malformed JSON", detail, malformed=True))
+                    return
+                cursor.position += 1
+                expect_record = True
+                continue
+            line = cursor.line_number()
+            while True:
+                try:
+                    record, end = decoder.raw_decode(cursor.buffer, cursor.position)
+                    break
+                except json.JSONDecodeError as err:
+                    if cursor.refill():
+                        continue
+                    truncated = not cursor.buffer.rstrip().endswith("]")
+                    reason = "truncated JSON record" if truncated else "malformed JSON"
+                    detail = f"{path}: line {line}: record {index}: {err.msg}; stopping here"
+                    yield RawRow(index, f"{path}:{line}", error=RowSkipped(reason, detail, malformed=not truncated))
+                    return
+            yield RawRow(index, f"{path}:{line}", record=record)
+            index += 1
+            cursor.position = end
+            expect_record = False
+
+
+def _iter_json_lines(path: Path) -> Iterator[RawRow]:
+    """Records of a JSON Lines file; blank lines are ignored, a malformed line is reported with its number."""
+    index = 0
+    with path.open(encoding="utf-8") as stream:
+        for line_number, line in enumerate(stream, start=1):
+            if not line.strip():
+                continue
+            location = f"{path}:{line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                detail = f"{location}: malformed JSON ({err.msg} at column {err.colno})"
+                yield RawRow(index, location, error=RowSkipped("malformed JSON", detail, malformed=True))
+            else:
+                yield RawRow(index, location, record=record)
+            index += 1
+
+
+def _iter_hf_rows(path: Path, split: str | None) -> Iterator[RawRow]:
+    """Rows of an HF `datasets` directory (Dataset or DatasetDict) or of a parquet file."""
+    if path.is_file():
+        import pyarrow.parquet as pq
+
+        try:
+            parquet = pq.ParquetFile(path)
+        except Exception as err:  # pyarrow raises several types for non-parquet input
+            raise UserError(f"{path}: not a readable parquet file ({err})") from None
+        index = 0
+        for batch in parquet.iter_batches(batch_size=256):
+            for record in batch.to_pylist():
+                yield RawRow(index, f"{path} row {index}", record=record)
+                index += 1
+        return
+
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"{path}: not an HF datasets directory saved with save_to_disk ({err})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        split_name = split or ("train" if "train" in loaded else None)
+        if split_name not in loaded:
+            raise UserError(f"{path}: split {split or 'train'!r} not found; set `split:` to one of {list(loaded)}")
+        loaded = loaded[split_name]
+    for index, record in enumerate(loaded):
+        yield RawRow(index, f"{path} row {index}", record=record)
+
+
+def iter_raw_rows(path: str | Path, split: str | None = None) -> Iterator[RawRow]:
+    """Every record of a source file or directory, in order (see the module docstring for the containers)."""
+    source_path = Path(path)
+    if not source_path.exists():
+        raise UserError(f"{source_path}: data source not found")
+    if source_path.is_dir() or source_path.suffix == ".parquet":
+        yield from _iter_hf_rows(source_path, split)
+        return
+    with source_path.open(encoding="utf-8") as stream:
+        first_chars = stream.read(4096).lstrip()
+    if first_chars.startswith("["):
+        yield from _iter_json_array(source_path)
+    else:
+        yield from _iter_json_lines(source_path)
+
+
+def is_hf_container(path: str | Path) -> bool:
+    """Whether `path` is read as an HF dataset (a directory or a parquet file) rather than JSON."""
+    source_path = Path(path)
+    return source_path.is_dir() or source_path.suffix == ".parquet"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Rows → conversations
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def detect_row_format(record: Any) -> str | None:
+    """The row schema of a record (sharegpt / messages / mt_bench) from its keys, or None if none matches."""
+    if isinstance(record, dict):
+        for row_format, key in _FORMAT_KEYS.items():
+            if key in record:
+                return row_format
+    return None
+
+
+def normalize_role(role: Any, location: str) -> Role:
+    """Map a source role name onto system / user / assistant; anything else is a malformed row."""
+    name = role.strip().lower() if isinstance(role, str) else role
+    normalized = ROLE_ALIASES.get(name) if isinstance(name, str) else None
+    if normalized is None:
+        raise RowSkipped(f"unknown role: {role}", f"{location}: unknown role {role!r}", malformed=True)
+    return normalized
+
+
+def _content_text(content: Any, location: str, message_index: int) -> str:
+    """A message's text: a string, or the concatenated text parts of an OpenAI-style content list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        if any(part.get("type", "text") != "text" for part in content):
+            detail = f"{location}: message {message_index} has non-text content parts"
+            raise RowSkipped("non-text content", detail, malformed=False)
+        texts = [part.get("text") for part in content]
+        if all(isinstance(text, str) for text in texts):
+            return "".join(texts)  # type: ignore[arg-type]
+    detail = f"{location}: message {message_index}: expected string content, got {type(content).__name__}"
+    raise RowSkipped("bad message", detail, malformed=True)
+
+
+def _parse_messages(entries: Any, key: str, location: str) -> list[Message]:
+    if not isinstance(entries, list):
+        detail = f"{location}: `{key}` should be a list of messages, got {type(entries).__name__}"
+        raise RowSkipped("bad message", detail, malformed=True)
+    messages: list[Message] = []
+    for message_index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            detail = f"{location}: message {message_index} should be an object, got {type(entry).__name__}"
+            raise RowSkipped("bad message", detail, malformed=True)
+        if "from" in entry or "value" in entry:
+            role, content = entry.get("from"), entry.get("value")
+        else:
+            role, content = entry.get("role"), entry.get("content")
+        if role is None:
+            detail = f"{location}: message {message_index} has no `from`/`role`"
+            raise RowSkipped("bad message", detail, malformed=True)
+        messages.append(
+            {"role": normalize_role(role, location), "content": _content_text(content, location, message_index)}
+        )
+    return messages
+
+
+def parse_row(record: Any, row_format: str, source_name: str, row: RawRow) -> Conversation:
+    """One parsed record → a Conversation (roles normalized, nothing else changed). Raises RowSkipped."""
+    location = row.location
+    if not isinstance(record, dict):
+        detail = f"{location}: expected a JSON object per row, got {type(record).__name__}"
+        raise RowSkipped("row is not an object", detail, malformed=True)
+    key = _FORMAT_KEYS[row_format]
+    if key not in record:
+        detail = f"{location}: missing `{key}` (expected {row_format} rows)"
+        raise RowSkipped(f"missing key: {key}", detail, malformed=True)
+
+    if row_format == "mt_bench":
+        turns = record[key]
+        if not isinstance(turns, list) or not all(isinstance(turn, str) for turn in turns):
+            detail = f"{location}: `turns` should be a list of strings"
+            raise RowSkipped("bad message", detail, malformed=True)
+        messages: list[Message] = [{"role": "user", "content": turn} for turn in turns]
+    else:
+        messages = _parse_messages(record[key], key, location)
+        system_text = record.get("system")
+        if row_format == "sharegpt" and isinstance(system_text, str) and system_text.strip():
+            if not messages or messages[0]["role"] != "system":
+                messages.insert(0, {"role": "system", "content": system_text})
+
+    row_id = next((record[k] for k in _ID_KEYS if isinstance(record.get(k), (str, int))), None)
+    source_id = f"{source_name}:{row_id}" if row_id is not None else f"{source_name}:#{row.index}"
+    metadata = {k: record[k] for k in ("category",) if isinstance(record.get(k), str)}
+    return Conversation(source_id=source_id, messages=messages, origin=location, metadata=metadata)
+
+
+def source_name_of(path: str | Path) -> str:
+    """The prefix of source ids for a source: the file name without its extension (directory name for dirs)."""
+    source_path = Path(path)
+    return source_path.name if source_path.is_dir() else source_path.stem
+
+
+def iter_conversations(
+    path: str | Path,
+    row_format: str = "auto",
+    *,
+    stats: SourceStats | None = None,
+    strict: bool = False,
+    split: str | None = None,
+    limit: int | None = None,
+) -> Iterator[Conversation]:
+    """Parsed conversations of one source, in file order.
+
+    Skipped rows are counted in `stats.skipped` (malformed ones raise UserError when `strict`); `stats.rows_read`
+    counts every record seen. `limit` caps the records read. Conversations are returned as written in the source
+    (roles normalized only); training-specific cleanup is `normalize_for_training`.
+    """
+    source_path = Path(path)
+    if row_format == "hf" and not is_hf_container(source_path):
+        raise UserError(f"{source_path}: format 'hf' needs an HF datasets directory or a .parquet file")
+    stats = stats if stats is not None else SourceStats(path=str(path))
+    source_name = source_name_of(source_path)
+    resolved_format = None if row_format in ("auto", "hf") else row_format
+    for row in iter_raw_rows(source_path, split):
+        if limit is not None and stats.rows_read >= limit:
+            return
+        stats.rows_read += 1
+        try:
+            if row.error is not None:
+                raise row.error
+            if resolved_format is None:
+                resolved_format = detect_row_format(row.record)
+                if resolved_format is None:
+                    keys = sorted(row.record) if isinstance(row.record, dict) else type(row.record).__name__
+                    raise UserError(
+                        f"{row.location}: cannot detect the row format from keys {keys}; expected one of "
+                        "`conversations` (sharegpt), `messages`, `turns` (mt_bench), or set `format:` on the source"
+                    )
+                stats.format = resolved_format
+            yield parse_row(row.record, resolved_format, source_name, row)
+        except RowSkipped as skipped:
+            record_skip(stats, skipped, strict)
+
+
+def record_skip(stats: SourceStats, skipped: RowSkipped, strict: bool) -> None:
+    """Count a skipped row (logging the first few of each reason); under `strict`, a malformed row is a UserError."""
+    if strict and skipped.malformed:
+        raise UserError(f"{skipped.detail} (--strict)")
+    stats.skipped[skipped.reason] += 1
+    if stats.skipped[skipped.reason] <= 3:
+        logger.warning("skipped: %s", skipped.detail)
+
+
+def read_conversations(
+    path: str | Path, row_format: str = "auto", *, strict: bool = False, limit: int | None = None
+) -> tuple[list[Conversation], SourceStats]:
+    """All conversations of one source plus its stats (e.g. MT-bench prompts for evaluation)."""
+    stats = SourceStats(path=str(path), format=row_format)
+    conversations = list(iter_conversations(path, row_format, stats=stats, strict=strict, limit=limit))
+    stats.kept = len(conversations)
+    return conversations, stats
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training cleanup
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def normalize_for_training(
+    conversation: Conversation,
+    stats: SourceStats,
+    *,
+    system_mode: str = "keep",
+    system_text: str | None = None,
+) -> Conversation:
+    """Shape a conversation for assistant-only training; raises RowSkipped when nothing trainable remains.
+
+    Applies the recipe's system-prompt policy (keep / drop / default / override), drops empty system messages,
+    drops assistant turns before the first user turn (the conversation then starts at a user turn), cuts the
+    conversation before its first empty user/assistant message, and drops user turns after the last assistant turn
+    (they carry no loss). Each change is counted in `stats.adjusted`.
+    """
+    location = conversation.origin or conversation.source_id
+    messages = [dict(message) for message in conversation.messages]
+    if not messages:
+        raise RowSkipped("empty conversation", f"{location}: no messages", malformed=False)
+
+    if any(m["role"] == "system" and not m["content"].strip() for m in messages):
+        messages = [m for m in messages if not (m["role"] == "system" and not m["content"].strip())]
+        stats.adjusted["empty system message dropped"] += 1
+    if system_mode == "drop" and any(m["role"] == "system" for m in messages):
+        messages = [m for m in messages if m["role"] != "system"]
+        stats.adjusted["system message dropped"] += 1
+    elif system_mode == "override":
+        messages = [{"role": "system", "content": system_text or ""}] + [m for m in messages if m["role"] != "system"]
+        stats.adjusted["system message set"] += 1
+    elif system_mode == "default" and (not messages or messages[0]["role"] != "system"):
+        messages.insert(0, {"role": "system", "content": system_text or ""})
+        stats.adjusted["system message set"] += 1
+
+    leading_system = 0
+    while leading_system < len(messages) and messages[leading_system]["role"] == "system":
+        leading_system += 1
+    first_user = next((i for i in range(leading_system, len(messages)) if messages[i]["role"] == "user"), None)
+    if first_user is None:
+        reason = "no user turn" if any(m["role"] == "assistant" for m in messages) else "empty conversation"
+        raise RowSkipped(reason, f"{location}: no user turn", malformed=False)
+    if first_user > leading_system:
+        messages = messages[:leading_system] + messages[first_user:]
+        stats.adjusted["leading assistant turns dropped"] += 1
+
+    first_empty = next((i for i, m in enumerate(messages) if m["role"] != "system" and not m["content"].strip()), None)
+    if first_empty is not None:
+        # Keep the turns before the first empty message (an empty user turn has no meaningful reply after it).
+        empty_role = messages[first_empty]["role"]
+        messages = messages[:first_empty]
+        if not any(m["role"] == "assistant" for m in messages):
+            detail = f"{location}: message {first_empty} ({empty_role}) is empty and no complete turn precedes it"
+            raise RowSkipped(f"empty {empty_role} message", detail, malformed=False)
+        stats.adjusted["cut at an empty message"] += 1
+
+    last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last_assistant is None:
+        raise RowSkipped("no assistant turn", f"{location}: no assistant turn", malformed=False)
+    if last_assistant < len(messages) - 1:
+        messages = messages[: last_assistant + 1]
+        stats.adjusted["trailing user turns dropped"] += 1
+    return Conversation(conversation.source_id, messages, conversation.origin, dict(conversation.metadata))

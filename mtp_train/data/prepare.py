@@ -1,0 +1,515 @@
+"""`mtp-train prepare`: conversations → tokenized (input_ids, loss_mask) train/eval datasets.
+
+Pipeline per source, streaming: read rows (`conversations`) → clean up for training (system-prompt policy, leading
+assistant / trailing user turns dropped) → optionally regenerate the assistant turns with the target
+(`regenerate`) → render with the target's chat template and derive the assistant-only loss mask (`templating`) →
+truncate or drop over-long samples → assign train/eval by hashing source_id with the seed. Rows are written with
+`datasets.Dataset.from_generator` into a work directory, saved to a staging directory together with stats.json,
+fingerprint.json and the resolved recipe, and renamed into place at the end: an interrupted run never leaves a
+half-written output behind. Re-running with unchanged inputs is a no-op (see `inputs_hash`), unless --force.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import mtp_train
+from mtp_train.data.conversations import (
+    Conversation,
+    RowSkipped,
+    SourceStats,
+    iter_conversations,
+    normalize_for_training,
+    record_skip,
+)
+from mtp_train.data.prepared import (
+    FINGERPRINT_FILENAME,
+    PREPARED_FORMAT_VERSION,
+    REGENERATED_FILENAME,
+    SPLITS,
+    STATS_FILENAME,
+    dataset_content_hash,
+    eval_split_of,
+    path_content_hash,
+    prepared_features,
+    read_json,
+    tokenizer_hash,
+)
+from mtp_train.data.regenerate import GenerateFn, RegenerationStats, regenerate_conversations
+from mtp_train.data.templating import AssistantMaskRenderer, effective_chat_template, load_chat_tokenizer
+from mtp_train.errors import UserError
+from mtp_train.recipe import Recipe, add_recipe_args, atomic_write_text, recipe_from_args, recipe_hash, save_resolved
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SplitStats:
+    """Samples and tokens written to one split."""
+
+    samples: int = 0
+    tokens: int = 0
+    assistant_tokens: int = 0
+
+
+@dataclass
+class PrepareStats:
+    """Everything counted during one prepare run (written to stats.json)."""
+
+    sources: list[SourceStats] = field(default_factory=list)
+    splits: dict[str, SplitStats] = field(default_factory=lambda: {split: SplitStats() for split in SPLITS})
+    truncated: int = 0
+    offset_fallback: int = 0
+    regeneration: RegenerationStats | None = None
+    elapsed_s: float = 0.0
+
+    @property
+    def rows_read(self) -> int:
+        return sum(source.rows_read for source in self.sources)
+
+    @property
+    def kept(self) -> int:
+        return sum(source.kept for source in self.sources)
+
+    def to_json(self) -> dict[str, Any]:
+        skipped: Counter[str] = Counter()
+        adjusted: Counter[str] = Counter()
+        for source in self.sources:
+            skipped.update(source.skipped)
+            adjusted.update(source.adjusted)
+        split_json = {name: vars(split).copy() for name, split in self.splits.items()}
+        return {
+            "rows_read": self.rows_read,
+            "kept": self.kept,
+            "skipped_total": sum(skipped.values()),
+            "skipped": dict(sorted(skipped.items())),
+            "adjusted": dict(sorted(adjusted.items())),
+            "truncated": self.truncated,
+            "offset_fallback": self.offset_fallback,
+            "tokens": sum(split.tokens for split in self.splits.values()),
+            "assistant_tokens": sum(split.assistant_tokens for split in self.splits.values()),
+            "splits": split_json,
+            "sources": [source.to_json() for source in self.sources],
+            "regeneration": vars(self.regeneration).copy() if self.regeneration else None,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "rows_per_s": round(self.rows_read / self.elapsed_s, 1) if self.elapsed_s > 0 else None,
+        }
+
+
+@dataclass
+class PrepareResult:
+    """What `prepare_dataset` produced. up_to_date: the existing output already matched and was kept as is."""
+
+    output_dir: Path
+    stats: dict[str, Any]
+    fingerprint: dict[str, Any]
+    up_to_date: bool
+
+
+def _canonical_hash(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
+    """The GenerateFn for `--regenerate`, backed by the target loaded through `mtp_train.runtime`.
+
+    To be implemented with the runtime: load `recipe.target` and return a callable that renders each message list
+    with the chat template (add_generation_prompt=True) and generates up to `recipe.data.regenerate.max_new_tokens`
+    tokens at `recipe.data.regenerate.temperature`, returning the decoded replies without the end-of-turn token.
+    """
+    raise UserError("--regenerate needs the runtime (mtp_train.runtime generation is not available yet)")
+
+
+class _SamplePipeline:
+    """Streams the recipe's sources into sample rows for `Dataset.from_generator`, counting everything."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        renderer: AssistantMaskRenderer,
+        stats: PrepareStats,
+        *,
+        strict: bool,
+        row_limit: int | None,
+        generate_fn: GenerateFn | None,
+        regeneration_progress: Path | None,
+        show_progress: bool,
+    ) -> None:
+        self.recipe = recipe
+        self.renderer = renderer
+        self.stats = stats
+        self.strict = strict
+        self.row_limit = row_limit
+        self.generate_fn = generate_fn
+        self.regeneration_progress = regeneration_progress
+        self.show_progress = show_progress
+        self._seen_source_ids: set[str] = set()
+
+    def _cleaned(self, conversations: Iterator[Conversation], source_stats: SourceStats) -> Iterator[Conversation]:
+        system = self.recipe.data.system_prompt
+        for conversation in conversations:
+            try:
+                cleaned = normalize_for_training(
+                    conversation, source_stats, system_mode=system.mode, system_text=system.text
+                )
+            except RowSkipped as skipped:
+                record_skip(source_stats, skipped, self.strict)
+                continue
+            if cleaned.source_id in self._seen_source_ids:
+                suffix = 2
+                while f"{cleaned.source_id}~{suffix}" in self._seen_source_ids:
+                    suffix += 1
+                cleaned.source_id = f"{cleaned.source_id}~{suffix}"
+                source_stats.adjusted["duplicate source_id renamed"] += 1
+            self._seen_source_ids.add(cleaned.source_id)
+            yield cleaned
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        """Sample rows {input_ids, loss_mask, source_id, split}; raises UserError if nothing was kept."""
+        from tqdm import tqdm
+
+        data = self.recipe.data
+        progress = tqdm(unit=" rows", desc="prepare", disable=not self.show_progress, dynamic_ncols=True)
+        # Every source is listed in the stats, including those not reached because a limit was hit first.
+        self.stats.sources = [SourceStats(path=source.path, format=source.format) for source in data.sources]
+        try:
+            for source, source_stats in zip(data.sources, self.stats.sources):
+                if self._samples_full() or self._rows_exhausted():
+                    break
+                yield from self._source_rows(source, source_stats, progress)
+        finally:
+            progress.close()
+        if self.stats.kept == 0:
+            skipped = self.stats.to_json()["skipped"]
+            raise UserError(f"no samples kept from {self.stats.rows_read} rows read (skipped: {skipped or 'none'})")
+
+    def _samples_full(self) -> bool:
+        return self.recipe.data.max_samples is not None and self.stats.kept >= self.recipe.data.max_samples
+
+    def _rows_exhausted(self) -> bool:
+        return self.row_limit is not None and self.stats.rows_read >= self.row_limit
+
+    def _source_rows(self, source: Any, source_stats: SourceStats, progress: Any) -> Iterator[dict[str, Any]]:
+        data = self.recipe.data
+        limits = [limit for limit in (source.limit, self._remaining_rows()) if limit is not None]
+        conversations = iter_conversations(
+            source.path,
+            source.format,
+            stats=source_stats,
+            strict=self.strict,
+            split=source.split,
+            limit=min(limits) if limits else None,
+        )
+        cleaned = self._cleaned(conversations, source_stats)
+        if self.generate_fn is not None:
+            assert self.regeneration_progress is not None and self.stats.regeneration is not None
+            cleaned = regenerate_conversations(
+                cleaned,
+                self.generate_fn,
+                self.regeneration_progress,
+                batch_size=data.regenerate.batch_size,
+                stats=self.stats.regeneration,
+            )
+        for conversation in cleaned:
+            row = self._tokenized_row(conversation, source_stats)
+            progress.update(self.stats.rows_read - progress.n)
+            if row is None:
+                continue
+            yield row
+            progress.set_postfix(kept=self.stats.kept, refresh=False)
+            if self._samples_full():
+                return
+
+    def _remaining_rows(self) -> int | None:
+        return None if self.row_limit is None else max(self.row_limit - self.stats.rows_read, 0)
+
+    def _tokenized_row(self, conversation: Conversation, source_stats: SourceStats) -> dict[str, Any] | None:
+        data = self.recipe.data
+        try:
+            for index, message in enumerate(conversation.messages):
+                if message["role"] != "system" and not message["content"].strip():
+                    detail = f"message {index} ({message['role']}) is empty"
+                    raise RowSkipped(f"empty {message['role']} message", detail, malformed=False)
+            tokenized = self.renderer.render(conversation.messages, max_tokens=data.max_seq_len)
+            if tokenized.truncated and data.overlong == "drop":
+                detail = f"{tokenized.untruncated_length} tokens > max_seq_len {data.max_seq_len}"
+                raise RowSkipped("longer than max_seq_len", detail, malformed=False)
+            if not any(tokenized.loss_mask):
+                detail = f"no assistant token within the first {data.max_seq_len} tokens"
+                raise RowSkipped("no assistant tokens within max_seq_len", detail, malformed=False)
+        except RowSkipped as skipped:
+            located = RowSkipped(skipped.reason, f"{conversation.origin}: {skipped.detail}", skipped.malformed)
+            record_skip(source_stats, located, self.strict)
+            return None
+
+        input_ids, loss_mask = tokenized.input_ids, tokenized.loss_mask
+        self.stats.truncated += tokenized.truncated
+        self.stats.offset_fallback += tokenized.used_offset_fallback
+        split = eval_split_of(conversation.source_id, data.seed, data.eval_fraction)
+        split_stats = self.stats.splits[split]
+        split_stats.samples += 1
+        split_stats.tokens += len(input_ids)
+        split_stats.assistant_tokens += sum(loss_mask)
+        source_stats.kept += 1
+        return {
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
+            "source_id": conversation.source_id,
+            "split": split,
+        }
+
+
+def _inputs_fingerprint(recipe: Recipe, tokenizer_digest: str, row_limit: int | None) -> dict[str, Any]:
+    """Everything the prepared data depends on; equal inputs → the existing output is reused."""
+    sources = [{"path": source.path, "sha256": path_content_hash(source.path)} for source in recipe.data.sources]
+    return {
+        "format_version": PREPARED_FORMAT_VERSION,
+        "code_version": mtp_train.__version__,
+        "recipe_target_data_hash": recipe_hash(recipe, ["target", "data"]),
+        "tokenizer_hash": tokenizer_digest,
+        "sources": sources,
+        "row_limit": row_limit,
+    }
+
+
+def _existing_inputs_hash(output_dir: Path) -> str | None:
+    fingerprint_path = output_dir / FINGERPRINT_FILENAME
+    if not fingerprint_path.is_file():
+        return None
+    try:
+        return read_json(fingerprint_path).get("inputs_hash")
+    except UserError:
+        return None
+
+
+def _replace_directory(staging_dir: Path, output_dir: Path) -> None:
+    """Move `staging_dir` to `output_dir`, replacing an existing output only once the new one is complete."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    retired = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
+    if output_dir.exists():
+        os.replace(output_dir, retired)
+    os.replace(staging_dir, output_dir)
+    if retired.exists():
+        shutil.rmtree(retired)
+
+
+def prepare_dataset(
+    recipe: Recipe,
+    *,
+    strict: bool = False,
+    row_limit: int | None = None,
+    force: bool = False,
+    generate_fn: GenerateFn | None = None,
+    show_progress: bool = True,
+) -> PrepareResult:
+    """Run the prepare stage for `recipe` and return where the data went with its stats and fingerprint.
+
+    strict: a malformed row is a UserError instead of a counted skip. row_limit: read at most this many rows over
+    all sources. force: rebuild even if the output's inputs_hash matches. generate_fn: replies for regeneration
+    (default when `data.regenerate.enabled`: the runtime's); ignored when regeneration is disabled.
+
+    Work happens in the hidden sibling `.<output name>.work/`; on failure only the regeneration progress file is
+    kept there (so a rerun resumes it), on success the directory is removed.
+    """
+    started = time.perf_counter()
+    data = recipe.data
+    assert data.output_dir is not None  # filled in by the Recipe validator
+    output_dir = Path(data.output_dir)
+
+    tokenizer = load_chat_tokenizer(recipe.target.path, data.chat_template)
+    tokenizer_digest = tokenizer_hash(recipe.target.path, effective_chat_template(tokenizer))
+    for source in data.sources:
+        if not Path(source.path).exists():
+            raise UserError(f"data.sources: {source.path}: not found")
+    inputs = _inputs_fingerprint(recipe, tokenizer_digest, row_limit)
+    inputs_hash = _canonical_hash(inputs)
+    if not force and _is_up_to_date(output_dir, inputs_hash):
+        logger.info("%s is up to date (same recipe, tokenizer and sources); --force rebuilds it", output_dir)
+        stats_json = read_json(output_dir / STATS_FILENAME)
+        return PrepareResult(output_dir, stats_json, read_json(output_dir / FINGERPRINT_FILENAME), True)
+
+    stats = PrepareStats()
+    work_dir = output_dir.with_name(f".{output_dir.name}.work")
+    regeneration_progress: Path | None = None
+    if data.regenerate.enabled:
+        generate_fn = generate_fn if generate_fn is not None else _runtime_generate_fn(recipe)
+        # The progress file is tied to everything the replies depend on, so changed settings never reuse it.
+        settings = recipe_hash(recipe, ["target"]) + data.regenerate.model_dump_json() + tokenizer_digest
+        settings += data.system_prompt.model_dump_json()
+        regeneration_progress = work_dir / f"regenerated-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.jsonl"
+        stats.regeneration = RegenerationStats()
+    else:
+        generate_fn = None
+
+    pipeline = _SamplePipeline(
+        recipe,
+        AssistantMaskRenderer(tokenizer),
+        stats,
+        strict=strict,
+        row_limit=row_limit,
+        generate_fn=generate_fn,
+        regeneration_progress=regeneration_progress,
+        show_progress=show_progress,
+    )
+    staging_dir = work_dir / "staging"
+    cache_dir = work_dir / "hf_cache"
+    try:
+        for scratch in (staging_dir, cache_dir):
+            shutil.rmtree(scratch, ignore_errors=True)
+        staging_dir.mkdir(parents=True)
+        dataset_hash = _write_splits(pipeline, cache_dir, staging_dir, inputs_hash)
+
+        stats.elapsed_s = time.perf_counter() - started
+        stats_json = stats.to_json()
+        stats_json["options"] = {"strict": strict, "row_limit": row_limit, "regenerate": data.regenerate.enabled}
+        fingerprint = {
+            "format_version": PREPARED_FORMAT_VERSION,
+            "tokenizer_hash": tokenizer_digest,
+            "dataset_hash": dataset_hash,
+            "inputs_hash": inputs_hash,
+            "inputs": inputs,
+            "target_path": recipe.target.path,
+            "samples": {split: stats.splits[split].samples for split in SPLITS},
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        atomic_write_text(staging_dir / STATS_FILENAME, json.dumps(stats_json, indent=2) + "\n")
+        atomic_write_text(staging_dir / FINGERPRINT_FILENAME, json.dumps(fingerprint, indent=2) + "\n")
+        save_resolved(recipe, staging_dir)
+        if regeneration_progress is not None and regeneration_progress.exists():
+            shutil.copyfile(regeneration_progress, staging_dir / REGENERATED_FILENAME)
+        _replace_directory(staging_dir, output_dir)
+    except BaseException:
+        for scratch in (staging_dir, cache_dir):
+            shutil.rmtree(scratch, ignore_errors=True)
+        if work_dir.is_dir() and not any(work_dir.iterdir()):
+            work_dir.rmdir()
+        raise
+    shutil.rmtree(work_dir, ignore_errors=True)
+    return PrepareResult(output_dir, stats_json, fingerprint, False)
+
+
+def _is_up_to_date(output_dir: Path, inputs_hash: str) -> bool:
+    """Whether `output_dir` holds a complete prepared dataset made from exactly these inputs."""
+    complete = all((output_dir / name).exists() for name in (*SPLITS, STATS_FILENAME, FINGERPRINT_FILENAME))
+    return complete and _existing_inputs_hash(output_dir) == inputs_hash
+
+
+def _write_splits(pipeline: _SamplePipeline, cache_dir: Path, staging_dir: Path, inputs_hash: str) -> str:
+    """Run the pipeline, save the train/eval datasets under `staging_dir`, return their dataset_content_hash."""
+    import datasets
+
+    progress_bars_were_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # our own tqdm bar reports progress
+    try:
+        all_rows = _generate_dataset(pipeline, cache_dir, inputs_hash)
+        saved = {}
+        for split in SPLITS:
+            selected = all_rows.filter(
+                lambda names, wanted=split: [name == wanted for name in names], input_columns="split", batched=True
+            )
+            selected.remove_columns("split").save_to_disk(str(staging_dir / split))
+            saved[split] = datasets.load_from_disk(str(staging_dir / split))
+        return dataset_content_hash(saved)
+    finally:
+        if progress_bars_were_enabled:
+            datasets.enable_progress_bars()
+
+
+def _generate_dataset(pipeline: _SamplePipeline, cache_dir: Path, inputs_hash: str) -> Any:
+    """All sample rows as one Dataset (with a `split` column), written under `cache_dir`."""
+    import datasets
+
+    features = prepared_features().copy()
+    features["split"] = datasets.Value("string")
+    try:
+        return datasets.Dataset.from_generator(
+            pipeline.rows,
+            features=features,
+            cache_dir=str(cache_dir),
+            fingerprint=f"prepare-{inputs_hash[:16]}-{time.time_ns()}",
+        )
+    except Exception as err:  # datasets wraps errors raised inside the generator; surface ours unchanged
+        cause: BaseException | None = err
+        while cause is not None:
+            if isinstance(cause, (UserError, KeyboardInterrupt)):
+                raise cause from None
+            cause = cause.__cause__ or cause.__context__
+        raise
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _print_summary(result: PrepareResult) -> None:
+    stats = result.stats
+    splits = stats["splits"]
+    if result.up_to_date:
+        train_samples, eval_samples = splits["train"]["samples"], splits["eval"]["samples"]
+        print(f"{result.output_dir}: up to date ({train_samples} train / {eval_samples} eval samples)")
+        return
+    print(
+        f"prepared {stats['kept']} samples from {stats['rows_read']} rows in {stats['elapsed_s']:.1f} s "
+        f"({stats['rows_per_s']} rows/s) -> {result.output_dir}"
+    )
+    for split in SPLITS:
+        numbers = splits[split]
+        print(
+            f"  {split:5s}: {numbers['samples']} samples, {numbers['tokens']} tokens, "
+            f"{numbers['assistant_tokens']} assistant tokens"
+        )
+    print(f"  truncated: {stats['truncated']}, offset fallback: {stats['offset_fallback']}")
+    if stats["skipped"]:
+        print("  skipped: " + ", ".join(f"{reason}: {count}" for reason, count in stats["skipped"].items()))
+    if stats["adjusted"]:
+        print("  adjusted: " + ", ".join(f"{reason}: {count}" for reason, count in stats["adjusted"].items()))
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """The `prepare` subcommand."""
+    recipe = recipe_from_args(args)
+    if args.regenerate:
+        recipe.data.regenerate.enabled = True
+    result = prepare_dataset(recipe, strict=args.strict, row_limit=args.limit, force=args.force)
+    _print_summary(result)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the `prepare` subcommand."""
+    parser = subparsers.add_parser(
+        "prepare",
+        help="tokenize conversations into (input_ids, loss_mask) train/eval datasets",
+        description="Read the recipe's conversation sources, render them with the target's chat template, mask "
+        "everything but the assistant replies, and save train/eval HF datasets with stats and fingerprints.",
+    )
+    add_recipe_args(parser)
+    parser.add_argument("--strict", action="store_true", help="fail on the first malformed row instead of skipping it")
+    parser.add_argument("--limit", type=_positive_int, metavar="N", help="read at most N rows over all sources")
+    parser.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="replace assistant turns by the target's own replies (self-distillation)",
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild even if the output is up to date")
+    parser.set_defaults(func=run_prepare)

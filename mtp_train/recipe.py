@@ -1,0 +1,508 @@
+"""Recipes: the typed schema of a training recipe, YAML loading, `--set a.b=c` overrides, hashing.
+
+A recipe is one YAML file that drives every stage (prepare, precompute, train, evaluate, export). Every section is a
+pydantic model with `extra="forbid"`, so a misspelt key is an error that names the key's full path
+(`recipes/x.yaml: train.lrr: unknown key (did you mean 'lr'?)`) instead of being silently ignored.
+
+Paths in a recipe are relative to the current directory (the repository root when run through the Makefile).
+Output locations left null are derived from the recipe's `name` (`data/prepared/<name>`, `data/features/<name>`,
+`runs/<name>`); `name` defaults to the YAML file's stem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from mtp_train.errors import UserError
+
+DEFAULT_RECIPE_PATH = "recipes/smollm2-135m-mtp.yaml"
+RESOLVED_RECIPE_FILENAME = "recipe.resolved.yaml"
+
+_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class _Section(BaseModel):
+    """Base of every recipe section: unknown keys are rejected, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class TargetConfig(_Section):
+    """The target model whose draft heads we train."""
+
+    path: str = Field(
+        "data/models/smollm2-135m-instruct", description="HF model directory (config + weights + tokenizer)"
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class DataSource(_Section):
+    """One conversation file or dataset directory."""
+
+    path: str
+    format: Literal["auto", "sharegpt", "messages", "mt_bench", "hf"] = Field(
+        "auto",
+        description="row schema: sharegpt (`conversations`), messages (`messages`), mt_bench (`turns`); "
+        "hf = an HF datasets directory or parquet file with any of those columns; auto = detect per file",
+    )
+    split: str | None = Field(None, description="split of an HF DatasetDict directory (default: train)")
+    limit: int | None = Field(None, ge=1, description="read at most this many rows of this source")
+
+
+class SystemPromptConfig(_Section):
+    """What to do with system messages before rendering.
+
+    keep: leave conversations as they are (the chat template may add its own default system prompt);
+    drop: remove system messages; default: add `text` as the system message where a conversation has none;
+    override: replace every conversation's system message with `text`.
+    """
+
+    mode: Literal["keep", "drop", "default", "override"] = "keep"
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_required_for_modes_that_insert_it(self) -> SystemPromptConfig:
+        if self.mode in ("default", "override") and not self.text:
+            raise ValueError(f"mode {self.mode!r} needs a non-empty `text`")
+        return self
+
+
+class RegenerateConfig(_Section):
+    """Self-distillation: replace assistant turns by the target's own replies before tokenizing."""
+
+    enabled: bool = False
+    max_new_tokens: int = Field(512, ge=1)
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    batch_size: int = Field(8, ge=1, description="conversations generated together")
+
+
+class DataConfig(_Section):
+    """Conversation sources and how `prepare` turns them into (input_ids, loss_mask) samples."""
+
+    sources: list[DataSource] = Field(
+        default_factory=lambda: [DataSource(path="data/datasets/sharegpt/sharegpt.jsonl")], min_length=1
+    )
+    chat_template: str | None = Field(
+        None, description="Jinja file overriding (or supplying) the target tokenizer's chat template"
+    )
+    max_samples: int | None = Field(None, ge=1, description="stop after this many kept samples (null = all)")
+    max_seq_len: int = Field(1024, ge=2)
+    overlong: Literal["truncate", "drop"] = "truncate"
+    eval_fraction: float = Field(0.02, ge=0.0, lt=1.0)
+    seed: int = 0
+    system_prompt: SystemPromptConfig = Field(default_factory=SystemPromptConfig)
+    output_dir: str | None = Field(None, description="null = data/prepared/<name>")
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+
+
+class PrecomputeConfig(_Section):
+    """The feature cache: the target's hidden states for every prepared sample."""
+
+    output_dir: str | None = Field(None, description="null = data/features/<name>")
+    storage_dtype: Literal["bfloat16", "float16", "float8_e4m3"] = "bfloat16"
+    tokens_per_batch: int = Field(8192, ge=1, description="tokens per target forward")
+    samples_per_shard: int = Field(512, ge=1)
+    aux_layers: list[int] = Field(
+        default_factory=list, description="decoder layers (0-based outputs) also stored, for EAGLE-3 heads"
+    )
+
+    @field_validator("aux_layers")
+    @classmethod
+    def _aux_layers_are_non_negative(cls, layers: list[int]) -> list[int]:
+        if any(layer < 0 for layer in layers):
+            raise ValueError(f"expected layer indices >= 0, got {layers}")
+        return layers
+
+
+class HeadConfig(_Section):
+    """The draft head's architecture."""
+
+    kind: Literal["mtp", "eagle1"] = Field("mtp", description="mtp = restored norms; eagle1 = the EAGLE-1 ablation")
+    num_layers: int = Field(1, ge=1)
+    init: Literal["last_layer", "random"] = Field("last_layer", description="decoder layer init")
+    draft_vocab_size: int | Literal["full"] = Field("full", description="'full' or a reduced draft vocabulary size")
+
+    @field_validator("draft_vocab_size", mode="before")
+    @classmethod
+    def _full_or_positive_int(cls, value: Any) -> int | str:
+        if value == "full":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"expected 'full' or a positive integer, got {value!r}")
+        return value
+
+
+class TrainConfig(_Section):
+    """The DeepSpeed training loop."""
+
+    run_dir: str | None = Field(None, description="null = runs/<name>")
+    deepspeed_config: str | None = Field(
+        None, description="DeepSpeed JSON merged under the settings below; null = generated from them"
+    )
+    zero_stage: int = Field(1, ge=0, le=3)
+    micro_batch_tokens: int = Field(4096, ge=1, description="tokens per micro batch per rank")
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(5e-4, gt=0.0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr = lr * min_lr_ratio")
+    warmup_steps: int = Field(50, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    max_steps: int | None = Field(None, ge=1, description="null = run `epochs` epochs")
+    epochs: int = Field(2, ge=1)
+    weight_decay: float = Field(0.0, ge=0.0)
+    clip: float = Field(1.0, ge=0.0, description="gradient-norm clip; 0 = off")
+    unroll_steps: int = Field(2, ge=1, description="step k>1 feeds the head its own output")
+    step_weight_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of step k = decay**(k-1)")
+    feature_loss_weight: float = Field(0.1, ge=0.0)
+    kl_loss_weight: float = Field(1.0, ge=0.0)
+    logits_chunk_size: int = Field(1024, ge=1, description="positions per chunk when computing vocab logits")
+    eval_every: int = Field(200, ge=1, description="optimizer steps")
+    save_every: int = Field(500, ge=1, description="optimizer steps")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept")
+    seed: int = 0
+
+
+class EvalConfig(_Section):
+    """Acceptance evaluation through the speculative inference path."""
+
+    prompts: str | None = Field(None, description="MT-bench-style JSONL; null = the held-out split of `prepare`")
+    limit: int | None = Field(32, ge=1, description="prompts evaluated (null = all)")
+    num_speculative_tokens: list[int] = Field(default_factory=lambda: [1, 2, 3], min_length=1)
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _positive_token_counts(cls, counts: list[int]) -> list[int]:
+        if any(count < 1 for count in counts):
+            raise ValueError(f"expected counts >= 1, got {counts}")
+        return counts
+
+
+class WandbConfig(_Section):
+    """Weights & Biases run settings (metrics are always also written locally to metrics.jsonl)."""
+
+    project: str = "mtp-train"
+    entity: str | None = None
+    run_name: str | None = Field(None, description="null = the recipe name")
+    group: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline", "disabled"] = "offline"
+
+
+class TrackingConfig(_Section):
+    """Experiment tracking."""
+
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
+class Recipe(_Section):
+    """A whole recipe. Derived defaults (output directories, W&B run name) are filled in from `name`."""
+
+    name: str
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
+    head: HeadConfig = Field(default_factory=HeadConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name_usable_in_paths(cls, name: str) -> str:
+        if not _NAME_PATTERN.match(name):
+            raise ValueError(f"expected letters, digits, '.', '_' or '-' (used in paths), got {name!r}")
+        return name
+
+    @model_validator(mode="after")
+    def _fill_name_derived_defaults(self) -> Recipe:
+        if self.data.output_dir is None:
+            self.data.output_dir = f"data/prepared/{self.name}"
+        if self.precompute.output_dir is None:
+            self.precompute.output_dir = f"data/features/{self.name}"
+        if self.train.run_dir is None:
+            self.train.run_dir = f"runs/{self.name}"
+        if self.tracking.wandb.run_name is None:
+            self.tracking.wandb.run_name = self.name
+        return self
+
+
+RECIPE_SECTIONS = tuple(name for name in Recipe.model_fields if name != "name")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# YAML
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _RecipeYamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader plus YAML 1.2 floats without a dot (`3e-4` is a float, not the string '3e-4')."""
+
+
+_RecipeYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_RecipeYamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Overrides
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _parse_override(override: str) -> tuple[list[str], Any]:
+    """Split `a.b.c=value` into (["a", "b", "c"], value parsed as a YAML scalar / flow value; empty = null)."""
+    key, sep, raw_value = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UserError(f"--set expects KEY=VALUE (e.g. train.lr=3e-4), got {override!r}")
+    path = key.split(".")
+    if any(not part for part in path):
+        raise UserError(f"--set {override}: empty key segment")
+    try:
+        value = _parse_yaml(raw_value) if raw_value.strip() else None
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"--set {override}: value is not valid YAML ({problem})") from None
+    return path, value
+
+
+def _apply_override(config: dict[str, Any], path: list[str], value: Any, override_text: str) -> None:
+    """Set `value` at `path` inside the raw (not yet validated) recipe mapping, creating sections as needed."""
+    node: Any = config
+    for depth, part in enumerate(path[:-1]):
+        where = ".".join(path[: depth + 1])
+        if isinstance(node, list):
+            node = node[_list_index(node, part, where, override_text)]
+            continue
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, (dict, list)):
+            raise UserError(f"--set {override_text}: {where} is a value ({child!r}), not a section")
+        node = child
+    last = path[-1]
+    if isinstance(node, list):
+        node[_list_index(node, last, ".".join(path), override_text)] = value
+    else:
+        node[last] = value
+
+
+def _list_index(items: list[Any], part: str, where: str, override_text: str) -> int:
+    if not part.isdigit():
+        raise UserError(f"--set {override_text}: {where}: expected a list index (0, 1, ...), got {part!r}")
+    index = int(part)
+    if index >= len(items):
+        raise UserError(f"--set {override_text}: {where}: index {index} out of range (the list has {len(items)} items)")
+    return index
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Validation errors
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _dotted(loc: Iterable[int | str]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _known_keys(loc: tuple[int | str, ...]) -> list[str]:
+    """Field names of the section that contains `loc` (for 'did you mean' hints)."""
+    model: Any = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        inner = getattr(annotation, "__args__", None)
+        model = inner[0] if inner and isinstance(inner[0], type) else annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def _describe_error(error: dict[str, Any]) -> str:
+    """One pydantic error → `path: what was expected, got what`."""
+    loc = tuple(error["loc"])
+    kind = error["type"]
+    given = error.get("input")
+    ctx = error.get("ctx") or {}
+    if kind == "extra_forbidden":
+        hint = difflib.get_close_matches(str(loc[-1]), _known_keys(loc), n=1)
+        message = "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+    elif kind == "missing":
+        message = "required key missing"
+    elif kind in ("int_parsing", "int_type", "int_from_float"):
+        message = f"expected an integer, got {given!r}"
+    elif kind in ("float_parsing", "float_type"):
+        message = f"expected a number, got {given!r}"
+    elif kind in ("bool_parsing", "bool_type"):
+        message = f"expected true or false, got {given!r}"
+    elif kind == "string_type":
+        message = f"expected a string, got {given!r}"
+    elif kind == "list_type":
+        message = f"expected a list, got {given!r}"
+    elif kind in ("model_type", "model_attributes_type", "dict_type"):
+        message = f"expected a mapping of keys, got {given!r}"
+    elif kind == "literal_error":
+        message = f"expected one of {ctx.get('expected')}, got {given!r}"
+    elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        operator = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
+        bound = next(iter(ctx.values()), "?")
+        message = f"expected a value {operator} {bound}, got {given!r}"
+    elif kind == "too_short":
+        message = f"expected at least {ctx.get('min_length')} item(s), got {given!r}"
+    elif kind == "value_error":
+        message = str(error["msg"]).removeprefix("Value error, ")
+    else:
+        message = str(error["msg"])
+    return f"{_dotted(loc) or '<recipe>'}: {message}"
+
+
+def _origin_of(loc: tuple[int | str, ...], applied_overrides: list[tuple[list[str], str]], recipe_file: str) -> str:
+    """Which input produced the value at `loc`: the `--set` that wrote it (or a parent of it), else the file."""
+    loc_parts = [str(part) for part in loc]
+    for path, override_text in reversed(applied_overrides):
+        if loc_parts[: len(path)] == path or path[: len(loc_parts)] == loc_parts:
+            return f"--set {override_text}"
+    return recipe_file
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Recipe:
+    """Read a recipe YAML file, apply `a.b=c` overrides (values parsed as YAML) and validate it.
+
+    Raises UserError naming the file (or the `--set` option) and the full key path on any problem.
+    """
+    recipe_path = Path(path)
+    if not recipe_path.is_file():
+        raise UserError(f"{recipe_path}: recipe file not found")
+    try:
+        raw = _parse_yaml(recipe_path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"{recipe_path}: invalid YAML{where}: {problem}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{recipe_path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
+    raw.setdefault("name", recipe_path.stem)
+
+    applied_overrides: list[tuple[list[str], str]] = []
+    for override in overrides:
+        key_path, value = _parse_override(override)
+        _apply_override(raw, key_path, value, override)
+        applied_overrides.append((key_path, override))
+
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as err:
+        errors = err.errors()
+        first = errors[0]
+        origin = _origin_of(tuple(first["loc"]), applied_overrides, str(recipe_path))
+        more = f" (+{len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+        raise UserError(f"{origin}: {_describe_error(first)}{more}") from None
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    """The recipe as plain JSON-compatible data (every default filled in)."""
+    return recipe.model_dump(mode="json")
+
+
+def recipe_hash(recipe: Recipe, sections: Iterable[str] | None = None) -> str:
+    """sha256 (hex) of the canonical JSON (sorted keys, compact) of the chosen sections; None = the whole recipe."""
+    data = recipe_to_dict(recipe)
+    if sections is not None:
+        chosen = list(sections)
+        unknown = [name for name in chosen if name not in data]
+        if unknown:
+            raise ValueError(f"unknown recipe section(s) {unknown}; expected some of {list(data)}")
+        data = {name: data[name] for name in chosen}
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write `text` to a temporary file next to `path`, fsync it, then rename it into place."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(temp_name, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the usual file mode
+        os.replace(temp_name, target)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def save_resolved(recipe: Recipe, directory: str | os.PathLike[str]) -> Path:
+    """Write the fully resolved recipe (every default spelled out) to `<directory>/recipe.resolved.yaml`."""
+    header = f"# Resolved recipe {recipe.name!r}: every default filled in; written by mtp-train.\n"
+    body = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True, width=120)
+    return atomic_write_text(Path(directory) / RESOLVED_RECIPE_FILENAME, header + body)
+
+
+def add_recipe_args(parser: argparse.ArgumentParser) -> None:
+    """Add `--recipe PATH` and repeatable `--set KEY=VALUE` to a subcommand's parser (dest: recipe, overrides)."""
+    parser.add_argument(
+        "--recipe",
+        default=DEFAULT_RECIPE_PATH,
+        metavar="PATH",
+        help=f"recipe YAML (default: {DEFAULT_RECIPE_PATH})",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe value, e.g. --set train.lr=3e-4 (YAML values; repeatable)",
+    )
+
+
+def recipe_from_args(args: argparse.Namespace) -> Recipe:
+    """The recipe named by `--recipe` with the `--set` overrides applied."""
+    return load_recipe(args.recipe, args.overrides)
