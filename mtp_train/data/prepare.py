@@ -47,7 +47,7 @@ from mtp_train.data.prepared import (
     read_json,
     tokenizer_hash,
 )
-from mtp_train.data.regenerate import GenerateFn, RegenerationStats, regenerate_conversations
+from mtp_train.data.regenerate import GenerateFn, Message, RegenerationStats, regenerate_conversations
 from mtp_train.data.templating import AssistantMaskRenderer, effective_chat_template, load_chat_tokenizer
 from mtp_train.errors import UserError
 from mtp_train.recipe import Recipe, add_recipe_args, atomic_write_text, recipe_from_args, recipe_hash, save_resolved
@@ -125,11 +125,41 @@ def _canonical_hash(value: Any) -> str:
 def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
     """The GenerateFn for `--regenerate`, backed by the target loaded through `mtp_train.runtime`.
 
-    To be implemented with the runtime: load `recipe.target` and return a callable that renders each message list
-    with the chat template (add_generation_prompt=True) and generates up to `recipe.data.regenerate.max_new_tokens`
-    tokens at `recipe.data.regenerate.temperature`, returning the decoded replies without the end-of-turn token.
+    Renders each message list with the chat template (add_generation_prompt=True), generates the batch together
+    (one ragged prefill, then batched decode) up to `data.regenerate.max_new_tokens` tokens at
+    `data.regenerate.temperature`, and returns the decoded replies without the end-of-turn token. A prompt that
+    already fills `data.max_seq_len` gets an empty reply: nothing after it would survive truncation, and the
+    conversation is cut there.
     """
-    raise UserError("--regenerate needs the runtime (mtp_train.runtime generation is not available yet)")
+    from mtp_train.runtime.chat import encode_chat, stop_token_ids
+    from mtp_train.runtime.generate import generate
+    from mtp_train.runtime.loader import load_model
+    from mtp_train.runtime.sampler import SamplingParams
+
+    settings = recipe.data.regenerate
+    model = load_model(recipe.target.path, dtype=recipe.target.dtype, device=recipe.target.device)
+    tokenizer = load_chat_tokenizer(recipe.target.path, recipe.data.chat_template)
+    stops = stop_token_ids(tokenizer, model.config)
+    sampling = SamplingParams(temperature=settings.temperature)
+    budget = recipe.data.max_seq_len
+    calls = [0]
+
+    def generate_fn(message_lists: list[list[Message]]) -> list[str]:
+        prompts = [encode_chat(tokenizer, [dict(m) for m in messages]) for messages in message_lists]
+        replies = [""] * len(prompts)
+        runnable = [i for i, prompt in enumerate(prompts) if len(prompt) < budget]
+        if runnable:
+            results, _ = generate(
+                model, [prompts[i] for i in runnable], settings.max_new_tokens, sampling, stop_token_ids=stops,
+                seed=recipe.data.seed * 1_000_003 + calls[0],
+            )
+            for i, result in zip(runnable, results):
+                ids = [t for t in result.token_ids if t not in stops]
+                replies[i] = tokenizer.decode(ids, skip_special_tokens=True).strip()
+        calls[0] += 1
+        return replies
+
+    return generate_fn
 
 
 class _SamplePipeline:
