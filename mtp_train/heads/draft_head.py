@@ -1,0 +1,193 @@
+"""The draft head: a DeepSeek-style MTP head with restored norms, and its EAGLE-1 ablation (one flag apart).
+
+    mtp:    x = eh_proj(cat(enorm(embed(t)), hnorm(h)))  -> layers -> norm -> frozen lm_head
+    eagle1: x = fc(cat(embed(t), h)) (+bias)              -> layers (first without input_layernorm) -> frozen lm_head
+
+The head reads the target's frozen `embed_tokens` and `lm_head` by reference: they are neither parameters nor
+state-dict entries of the head, `.to()` on the head leaves them alone, and they are read through `.detach()` so no
+gradient reaches them. Decoder layers are the runtime's `DecoderLayer` and run through the runtime's attention
+backend, so training (packed sequences, no cache) and speculative drafting (paged KV cache) share one code path.
+Row r of a forward reads `(hidden[r], token_ids[r])`; its rotary position is `batch.positions[r]`, by convention the
+position of the hidden state it reads (row (H_i, t_{i+1}) -> position i, as vLLM's EAGLE/MTP proposers do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_train.heads.config import HeadConfig
+from mtp_train.runtime.attention import AttentionBackend, BatchInfo, TorchAttention
+from mtp_train.runtime.config import ModelConfig
+from mtp_train.runtime.kv_cache import KVCache, PageAllocator
+from mtp_train.runtime.model import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+@dataclass
+class _Borrowed:
+    """Objects the head uses but does not own (so nn.Module does not register them as submodules)."""
+
+    embed_tokens: nn.Embedding  # the target's, frozen
+    lm_head: nn.Linear  # the target's, frozen
+    rotary: RotaryEmbedding  # the head's own tables; kept fp32 (a module would be cast by `head.to(bfloat16)`)
+
+
+class DraftHead(nn.Module):
+    """A draft head over a target. Parameters: mtp `enorm, hnorm, eh_proj, layers.{j}.*, norm`; eagle1 `fc (+bias),
+    layers.{j}.*` (layer 0 without input_layernorm)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        head_config: HeadConfig,
+        embed_tokens: nn.Embedding,
+        lm_head: nn.Linear,
+        backend: AttentionBackend | None = None,
+    ):
+        super().__init__()
+        if (head_config.hidden_size, head_config.vocab_size) != (config.hidden_size, config.vocab_size):
+            raise ValueError(
+                f"head config (hidden_size={head_config.hidden_size}, vocab_size={head_config.vocab_size}) does not "
+                f"match the target (hidden_size={config.hidden_size}, vocab_size={config.vocab_size})"
+            )
+        self.config = config
+        self.head_config = head_config
+        d = config.hidden_size
+        self.is_mtp = head_config.kind == "mtp"
+        if self.is_mtp:
+            self.enorm = RMSNorm(d, config.rms_norm_eps)
+            self.hnorm = RMSNorm(d, config.rms_norm_eps)
+            self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        else:
+            self.fc = nn.Linear(2 * d, d, bias=True)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, use_input_norm=self.is_mtp or j > 0) for j in range(head_config.num_layers)
+        )
+        self.norm = RMSNorm(d, config.rms_norm_eps) if self.is_mtp else None
+        with torch.device("cpu"):
+            rotary = RotaryEmbedding(config)
+        self._borrowed = _Borrowed(embed_tokens, lm_head, rotary)
+        self.backend = backend or TorchAttention()
+
+    # ---- construction -------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def from_target(target: CausalLM, head_config: HeadConfig, dtype: torch.dtype | None = None) -> "DraftHead":
+        """A head over `target`, initialized per `head_config.init`, on the target's device in `dtype` (default: the
+        target's)."""
+        head = DraftHead(target.config, head_config, target.model.embed_tokens, target.lm_head, target.backend)
+        head.to(device=target.device, dtype=torch.float32)
+        if head_config.init == "last_layer":
+            head.init_from_target(target)
+        else:
+            head.init_random()
+        return head.to(dtype=dtype or target.dtype)
+
+    @property
+    def init_std(self) -> float:
+        return float(getattr(self.config.hf_config, "initializer_range", 0.02) or 0.02)
+
+    @torch.no_grad()
+    def init_random(self) -> None:
+        """Linear weights ~ normal(0, initializer_range), biases 0, every RMSNorm weight 1 (transformers' init)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, self.init_std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    @torch.no_grad()
+    def init_from_target(self, target: CausalLM) -> None:
+        """Every head layer = a copy of the target's last decoder layer; `norm` = the target's final norm; enorm and
+        hnorm = 1; the input projection = [small random | identity] (+ zero bias for eagle1).
+
+        With the identity on the hidden half, the initial head is "the target's last layer applied once more to H_i",
+        whose output lies in the target's hidden distribution (same final norm): the feature and KL losses start from
+        the gap between H_i and H_{i+1}, not from noise. The token half starts small (normal, std=initializer_range),
+        so the head learns how much of embed(t_{i+1}) to use, and no weight is exactly zero, so every parameter
+        (enorm included) gets a gradient from the first step."""
+        self.init_random()
+        last_layer = target.model.layers[-1].state_dict()
+        for j, layer in enumerate(self.layers):
+            own = layer.state_dict()
+            layer.load_state_dict({k: last_layer[k].to(v.dtype) for k, v in own.items()}, strict=True)
+        if self.norm is not None:
+            self.norm.weight.copy_(target.model.norm.weight)
+        proj = self.eh_proj if self.is_mtp else self.fc
+        d = self.config.hidden_size
+        proj.weight[:, d:].copy_(torch.eye(d))  # [d, 2d]: columns d.. read the hidden state
+
+    def new_kv_cache(self, allocator: PageAllocator) -> KVCache:
+        """The head's own paged K/V storage over the target's allocator (one entry per head layer)."""
+        c = self.config
+        return KVCache(allocator, len(self.layers), c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+
+    # ---- properties ---------------------------------------------------------------------------------------------
+
+    @property
+    def kind(self) -> str:
+        return self.head_config.kind
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].self_attn.q_proj.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].self_attn.q_proj.weight.device
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """The target's embedding matrix [vocab, d], detached."""
+        return self._borrowed.embed_tokens.weight.detach()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The target's lm_head matrix [vocab, d], detached (losses recompute logits from it chunk by chunk)."""
+        return self._borrowed.lm_head.weight.detach()
+
+    # ---- forward ------------------------------------------------------------------------------------------------
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary = self._borrowed.rotary
+        if rotary.inv_freq.device != positions.device:
+            rotary.to(positions.device)  # moves the fp32 tables; never changes their dtype
+        return rotary(positions, dtype)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T]: t_{i+1} for the row reading H_i
+        hidden: torch.Tensor,  # [T, d]: H_i, or the head's own previous output
+        batch: BatchInfo,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Returns the head's output state [T, d] (after its final norm for mtp; raw for eagle1): what the feature
+        loss compares with H_{i+1} and what is fed back as `hidden` for the next step. With a `kv_cache` (the
+        speculative draft path) it runs under inference mode, like the target's forward."""
+        if kv_cache is not None:
+            with torch.inference_mode():
+                return self._forward(token_ids, hidden, batch, kv_cache)
+        return self._forward(token_ids, hidden, batch, None)
+
+    def _forward(self, token_ids, hidden, batch: BatchInfo, kv_cache: KVCache | None) -> torch.Tensor:
+        dtype = self.dtype
+        embeds = F.embedding(token_ids, self.embed_weight).to(dtype)  # [T, d]
+        hidden = hidden.to(dtype)  # [T, d]
+        if self.is_mtp:
+            x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))  # [T, d]
+        else:
+            x = self.fc(torch.cat((embeds, hidden), dim=-1))  # [T, d]
+        cos, sin = self._rope(batch.positions, x.dtype)
+        for j, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, batch, kv_cache.layers[j] if kv_cache is not None else None, self.backend)
+        return self.norm(x) if self.norm is not None else x
+
+    def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """[n, d] head output -> [n, vocab] fp32 logits through the target's frozen lm_head."""
+        weight = self.lm_head_weight
+        return F.linear(out_hidden.to(weight.dtype), weight).float()

@@ -1,0 +1,120 @@
+"""Native head files: `<dir>/model.safetensors` (the head's own tensors only, never the target's embed_tokens or
+lm_head) + `<dir>/head_config.json`. Both are written to a temporary name and renamed into place."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.heads.config import HeadConfig
+from mtp_train.heads.draft_head import DraftHead
+from mtp_train.runtime.model import CausalLM
+
+WEIGHTS_FILENAME = "model.safetensors"
+CONFIG_FILENAME = "head_config.json"
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temp_name, path)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise
+
+
+def _is_frozen_key(key: str) -> bool:
+    return any(part in ("embed_tokens", "lm_head") for part in key.split("."))
+
+
+def save_head(head: DraftHead, directory: str | os.PathLike[str]) -> Path:
+    """Write the head's weights and config to `directory`; returns the directory."""
+    from safetensors.torch import save
+
+    directory = Path(directory)
+    state = {key: value.detach().to("cpu").contiguous() for key, value in head.state_dict().items()}
+    frozen = [key for key in state if _is_frozen_key(key)]
+    assert not frozen, f"head state dict holds the target's frozen tensors {frozen}"
+    metadata = {"format": "pt", "kind": head.head_config.kind}
+    _atomic_write_bytes(directory / WEIGHTS_FILENAME, save(state, metadata=metadata))
+    _atomic_write_bytes(directory / CONFIG_FILENAME, head.head_config.to_json().encode("utf-8"))
+    return directory
+
+
+def read_head_config(directory: str | os.PathLike[str]) -> HeadConfig:
+    path = Path(directory) / CONFIG_FILENAME
+    if not path.is_file():
+        raise UserError(f"{path}: not found (expected a head directory with {CONFIG_FILENAME} and {WEIGHTS_FILENAME})")
+    return HeadConfig.from_json(path.read_text(encoding="utf-8"), source=str(path))
+
+
+def load_head(
+    directory: str | os.PathLike[str],
+    target: CausalLM,
+    dtype: torch.dtype | None = None,
+    target_fingerprint: str | None = None,
+) -> DraftHead:
+    """Load a head saved by `save_head` over `target` (on its device; `dtype` default: the target's). The head's
+    hidden_size/vocab_size/model_type must match the target's, and its target fingerprint must equal
+    `target_fingerprint` when both are known. Errors are UserErrors naming the file and the mismatch or key."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    head_config = read_head_config(directory)
+    config_path = directory / CONFIG_FILENAME
+    target_config = target.config
+    for key in ("hidden_size", "vocab_size", "model_type"):
+        head_value, target_value = getattr(head_config, key), getattr(target_config, key)
+        if head_value != target_value:
+            raise UserError(f"{config_path}: {key}={head_value!r} but the target has {key}={target_value!r}")
+    if head_config.target_fingerprint and target_fingerprint and head_config.target_fingerprint != target_fingerprint:
+        raise UserError(
+            f"{config_path}: target_fingerprint {head_config.target_fingerprint!r} does not match the target's "
+            f"{target_fingerprint!r} (the head was trained for a different target)"
+        )
+
+    weights_path = directory / WEIGHTS_FILENAME
+    if not weights_path.is_file():
+        raise UserError(f"{weights_path}: not found")
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            state = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as err:
+        raise UserError(f"{weights_path}: could not read safetensors ({err})") from None
+    frozen = sorted(key for key in state if _is_frozen_key(key))
+    if frozen:
+        raise UserError(
+            f"{weights_path}: holds the target's frozen tensor(s) {', '.join(frozen)}; a head file must contain only "
+            "the head's own weights (embed_tokens and lm_head are read from the target)"
+        )
+
+    with torch.device("meta"):
+        head = DraftHead(target_config, head_config, target.model.embed_tokens, target.lm_head, target.backend)
+    expected = head.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        parts = [f"missing {', '.join(missing)}"] if missing else []
+        parts += [f"unexpected {', '.join(unexpected)}"] if unexpected else []
+        raise UserError(
+            f"{weights_path}: tensor names do not match a {head_config.kind} head with {head_config.num_layers} "
+            f"layer(s): {'; '.join(parts)}"
+        )
+    for key, tensor in expected.items():
+        if tuple(state[key].shape) != tuple(tensor.shape):
+            raise UserError(
+                f"{weights_path}: tensor {key} has shape {tuple(state[key].shape)}, the target's config implies "
+                f"{tuple(tensor.shape)}"
+            )
+    dtype = dtype or target.dtype
+    head.load_state_dict({k: v.to(device=target.device, dtype=dtype) for k, v in state.items()}, assign=True)
+    return head

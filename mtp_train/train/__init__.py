@@ -1,0 +1,1 @@
+"""Training: losses (`losses`: chunked logit distillation, feature loss, k-step unroll)."""

@@ -1,0 +1,236 @@
+"""Training losses of a draft head: feature regression and logit distillation, over a k-step unroll.
+
+Notation (DESIGN.md): H_i is the target's final hidden state (after its final norm) at position i. The head's row
+reading (H_i, t_{i+1}) is trained to produce H_{i+1} (feature loss: smooth-L1) and the target's next-token
+distribution p = softmax(lm_head(H_{i+1})) (KL(p || q) with q = softmax(lm_head(out))). Both distributions are
+recomputed from hidden states with the target's frozen lm_head.
+
+Vocabulary-sized logits are the memory peak ([rows, vocab] fp32, several times over), so `distill_sums` computes them
+`chunk_size` rows at a time inside one autograd.Function that never keeps more than one chunk's logits alive: it writes
+each chunk's gradient dKL/d(out) = (q - p) @ W while the chunk's logits exist, and accuracy metrics come out of the same
+pass. `chunk_size=None` is the plain full-logits autograd reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mtp_train.runtime.attention import BatchInfo
+
+
+@dataclass
+class DistillSums:
+    """Sums over rows (divide by the row count for means; sums add up across micro-batches and ranks)."""
+
+    kl: torch.Tensor  # [] fp32: Σ_rows KL(p || q); differentiable w.r.t. the draft hidden states
+    top1: torch.Tensor  # [] fp32: rows where argmax q == argmax p
+    top3: torch.Tensor  # [] fp32: rows where argmax p is in the top-3 of q
+    alpha: torch.Tensor  # [] fp32: Σ_rows Σ_v min(p_v, q_v) (expected acceptance of a sampled draft token)
+
+
+def _chunk_metrics(draft_logp: torch.Tensor, target_logp: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-chunk sums from log-probabilities [c, V]: (kl, top1, top3, alpha)."""
+    kl = (target_logp.exp() * (target_logp - draft_logp)).sum()
+    target_top = target_logp.argmax(-1)  # [c]
+    top1 = (draft_logp.argmax(-1) == target_top).sum()
+    draft_top3 = draft_logp.topk(min(3, draft_logp.shape[-1]), dim=-1).indices  # [c, 3]
+    top3 = (draft_top3 == target_top[:, None]).any(-1).sum()
+    alpha = torch.minimum(draft_logp, target_logp).exp().sum()  # min(p, q) = exp(min(log p, log q))
+    return kl.float(), top1.float(), top3.float(), alpha.float()
+
+
+def _log_probs(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[c, d] -> [c, V] fp32 log-softmax of the frozen lm_head's logits (matmul in the lm_head's dtype, like the
+    runtime's `compute_logits`)."""
+    return F.linear(hidden.to(weight.dtype), weight).float().log_softmax(-1)
+
+
+class _ChunkedDistill(torch.autograd.Function):
+    """Σ_rows KL(p || q), `chunk_size` rows at a time. While a chunk's logits exist, forward also computes that
+    chunk's gradient dKL/d(out) = (q - p) @ W (the fused linear-cross-entropy trick): only [N, d] is kept, never
+    [N, V], and backward recomputes nothing (3 vocab matmuls per chunk instead of 5); it scales by the incoming
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, draft_hidden, target_hidden, weight, chunk_size: int):
+        needs_grad = ctx.needs_input_grad[0]
+        grad = torch.empty(draft_hidden.shape, dtype=torch.float32, device=draft_hidden.device) if needs_grad else None
+        sums = torch.zeros(4, dtype=torch.float32, device=draft_hidden.device)  # kl, top1, top3, alpha
+        for start in range(0, draft_hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            draft_logp, target_logp = _log_probs(draft_hidden[rows], weight), _log_probs(target_hidden[rows], weight)
+            sums += torch.stack(_chunk_metrics(draft_logp, target_logp))
+            if needs_grad:  # d KL(p || q) / d draft_logits = q - p per row (the KL is summed over rows)
+                q_minus_p = draft_logp.exp_().sub_(target_logp.exp_())  # [c, V], in place
+                grad[rows] = (q_minus_p.to(weight.dtype) @ weight).float()
+        ctx.save_for_backward(grad)
+        ctx.grad_dtype = draft_hidden.dtype
+        kl, top1, top3, alpha = (value.clone() for value in sums.unbind())  # independent outputs, not views
+        ctx.mark_non_differentiable(top1, top3, alpha)
+        return kl, top1, top3, alpha
+
+    @staticmethod
+    def backward(ctx, grad_kl, *_unused):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_kl).to(ctx.grad_dtype), None, None, None
+
+
+def distill_sums(
+    draft_hidden: torch.Tensor,  # [N, d] the head's outputs (counted rows only)
+    target_next_hidden: torch.Tensor,  # [N, d] H_{i+1} for those rows
+    lm_head_weight: torch.Tensor,  # [V, d] the target's frozen lm_head
+    chunk_size: int | None = 1024,
+) -> DistillSums:
+    """KL(p_target || q_head) and accuracy metrics, summed over rows. `chunk_size=None` computes the full [N, V]
+    logits with plain autograd (reference for tests and benchmarks). Gradient flows to `draft_hidden` only."""
+    weight = lm_head_weight.detach()
+    target_next_hidden = target_next_hidden.detach()
+    if chunk_size is None:
+        return DistillSums(*_chunk_metrics(_log_probs(draft_hidden, weight), _log_probs(target_next_hidden, weight)))
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    return DistillSums(*_ChunkedDistill.apply(draft_hidden, target_next_hidden, weight, chunk_size))
+
+
+def feature_loss_sum(draft_hidden: torch.Tensor, target_next_hidden: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    """Σ_rows mean_d smooth-L1(out, H_{i+1}) in fp32 (EAGLE's feature loss before the row average)."""
+    target = target_next_hidden.detach().float()
+    return F.smooth_l1_loss(draft_hidden.float(), target, beta=beta, reduction="none").mean(-1).sum()
+
+
+@dataclass
+class StepLosses:
+    """One unroll step's losses, averaged over its counted rows (0 when none)."""
+
+    feature: torch.Tensor  # [] differentiable
+    kl: torch.Tensor  # [] differentiable
+    top1: torch.Tensor  # [] detached, in [0, 1]
+    top3: torch.Tensor  # [] detached
+    alpha: torch.Tensor  # [] detached
+    rows: int  # counted rows
+
+
+def step_losses(
+    draft_hidden: torch.Tensor,  # [T, d] head output for every row of the step
+    target_next_hidden: torch.Tensor,  # [T, d] the target state each row should produce
+    row_mask: torch.Tensor,  # [T] bool: rows that count
+    lm_head_weight: torch.Tensor,  # [V, d]
+    chunk_size: int | None = 1024,
+    feature_beta: float = 1.0,
+) -> StepLosses:
+    """Feature and KL losses (means over counted rows) and accuracy metrics for one step."""
+    counted = row_mask.nonzero().squeeze(1)  # [N]
+    rows = int(counted.numel())
+    if rows == 0:  # keep the graph connected so backward still runs
+        zero = draft_hidden.sum().float() * 0.0
+        return StepLosses(zero, zero, zero.detach(), zero.detach(), zero.detach(), 0)
+    draft, target = draft_hidden[counted], target_next_hidden[counted]  # [N, d]
+    sums = distill_sums(draft, target, lm_head_weight, chunk_size)
+    return StepLosses(
+        feature=feature_loss_sum(draft, target, feature_beta) / rows,
+        kl=sums.kl / rows,
+        top1=sums.top1.detach() / rows,
+        top3=sums.top3.detach() / rows,
+        alpha=sums.alpha.detach() / rows,
+        rows=rows,
+    )
+
+
+@dataclass
+class _StepRows:
+    """Which packed rows take part in unroll step k (every index is into the packed [T] arrays unless noted)."""
+
+    lengths: list[int]  # rows per sequence at this step: max(n - k, 0)
+    local: torch.Tensor  # [R] i: row index within its sequence
+    read: torch.Tensor  # [R] o + i + k: token t_{i+k} read, target H_{i+k} produced
+    counted: torch.Tensor  # [R] bool: i + k + 1 < n and loss_mask[o + i + k + 1]
+
+
+def _row_starts(lengths: list[int], step_lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[R]: for each of the step's rows (step_lengths[b] rows for sequence b), where sequence b starts in an array
+    packed with `lengths`."""
+    sizes = torch.tensor(lengths, device=device, dtype=torch.long)
+    return (sizes.cumsum(0) - sizes).repeat_interleave(torch.tensor(step_lengths, device=device, dtype=torch.long))
+
+
+def _step_rows(lengths: list[int], loss_mask: torch.Tensor, k: int) -> _StepRows:
+    device = loss_mask.device
+    step_lengths = [max(n - k, 0) for n in lengths]
+    counts = torch.tensor(step_lengths, device=device, dtype=torch.long)
+    local = torch.cat([torch.arange(m, device=device) for m in [0, *step_lengths]])  # [R]
+    seq_start = _row_starts(lengths, step_lengths, device)  # [R]
+    seq_len = torch.tensor(lengths, device=device, dtype=torch.long).repeat_interleave(counts)  # [R]
+    read = seq_start + local + k
+    in_range = local + k + 1 < seq_len
+    next_index = torch.where(in_range, read + 1, torch.zeros_like(read))
+    counted = in_range & loss_mask[next_index].bool()
+    return _StepRows(step_lengths, local, read, counted)
+
+
+def _step_batch(step_lengths: list[int], positions: torch.Tensor, device: torch.device) -> BatchInfo:
+    """Packed no-cache batch over the sequences that still have rows, with the given rotary positions."""
+    batch = BatchInfo.without_cache([m for m in step_lengths if m > 0], device)
+    batch.positions = positions
+    return batch
+
+
+def unrolled_losses(
+    head: torch.nn.Module,
+    token_ids: torch.Tensor,  # [T] packed sequences
+    target_hidden: torch.Tensor,  # [T, d] H (post-norm final states of the target)
+    loss_mask: torch.Tensor,  # [T] 1 where the token is an assistant token
+    lengths: list[int],  # tokens per packed sequence (sum = T)
+    unroll_steps: int = 2,
+    step_weight_decay: float = 0.8,
+    feature_weight: float = 0.1,
+    kl_weight: float = 1.0,
+    chunk_size: int | None = 1024,
+    feature_beta: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:
+    """Total loss Σ_k w_k (feature_weight · feature_k + kl_weight · kl_k), w_k = step_weight_decay^(k-1); metrics.
+
+    Within each sequence (length n, no attention across sequences), step k has rows i = 0 .. n-1-k: row i reads
+    (step-(k-1) output of row i, or H_i for k = 1; token t_{i+k}) at position i+k-1, is trained towards H_{i+k} and
+    p(. | H_{i+k}), and counts where i+k+1 < n and loss_mask[i+k+1] == 1 (the token it helps predict, t_{i+k+1},
+    is an assistant token). `head` is called as `head(token_ids, hidden, batch)` and must expose `lm_head_weight`.
+
+    Metrics (detached 0-dim tensors, left on the device; `rows` are ints): `loss`, and per step k `step{k}/feature`,
+    `/kl`, `/top1`, `/top3`, `/alpha` (means over counted rows), `/rows`.
+    """
+    if sum(lengths) != token_ids.shape[0] or any(n < 0 for n in lengths):
+        raise ValueError(f"lengths {lengths} do not partition the {token_ids.shape[0]} packed tokens")
+    device = token_ids.device
+    sliding_window = getattr(getattr(head, "config", None), "sliding_window", None)
+    total: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor | int] = {}
+    previous_out: torch.Tensor | None = None  # [R_{k-1}, d]
+    previous_lengths: list[int] = []
+    for k in range(1, unroll_steps + 1):
+        rows = _step_rows(lengths, loss_mask, k)
+        if rows.local.numel() == 0:
+            break
+        if previous_out is None:
+            hidden = target_hidden[rows.read - k]  # [R, d] H_i
+        else:  # row i of each sequence at step k-1 is also row i at step k (the last row drops out)
+            hidden = previous_out[_row_starts(previous_lengths, rows.lengths, device) + rows.local]  # [R, d]
+        positions = rows.local + (k - 1)
+        if sliding_window is not None and k > 1 and max(rows.lengths) > sliding_window:
+            # The runtime's no-cache sliding-window mask assumes positions start at 0 in each sequence. Rotary
+            # attention depends only on position differences, so positions i (not i+k-1) give the same scores.
+            positions = rows.local
+        batch = _step_batch(rows.lengths, positions, device)
+        out = head(token_ids[rows.read], hidden, batch)  # [R, d]
+        losses = step_losses(out, target_hidden[rows.read], rows.counted, head.lm_head_weight, chunk_size, feature_beta)
+        step_loss = step_weight_decay ** (k - 1) * (feature_weight * losses.feature + kl_weight * losses.kl)
+        total = step_loss if total is None else total + step_loss
+        for name in ("feature", "kl", "top1", "top3", "alpha"):
+            metrics[f"step{k}/{name}"] = getattr(losses, name).detach()
+        metrics[f"step{k}/rows"] = losses.rows
+        previous_out, previous_lengths = out, rows.lengths
+    if total is None:  # every sequence shorter than 2 tokens: nothing to learn
+        total = torch.zeros((), device=device, requires_grad=True)
+    metrics["loss"] = total.detach()
+    return total, metrics
