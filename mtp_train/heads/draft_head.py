@@ -154,10 +154,7 @@ class DraftHead(nn.Module):
     # ---- forward ------------------------------------------------------------------------------------------------
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        rotary = self._borrowed.rotary
-        if rotary.inv_freq.device != positions.device:
-            rotary.to(positions.device)  # moves the fp32 tables; never changes their dtype
-        return rotary(positions, dtype)
+        return self._borrowed.rotary(positions, dtype)  # fp32 tables, moved to the positions' device on use
 
     def forward(
         self,

@@ -65,7 +65,7 @@ def load_head(
 ) -> DraftHead:
     """Load a head saved by `save_head` over `target` (on its device; `dtype` default: the target's). The head's
     hidden_size/vocab_size/model_type must match the target's, and its target fingerprint must equal
-    `target_fingerprint` when both are known. Errors are UserErrors naming the file and the mismatch or key."""
+    `target_fingerprint` (default: `target.fingerprint`) when both are known. Errors are UserErrors naming the file and the mismatch or key."""
     from safetensors import safe_open
 
     directory = Path(directory)
@@ -76,6 +76,7 @@ def load_head(
         head_value, target_value = getattr(head_config, key), getattr(target_config, key)
         if head_value != target_value:
             raise UserError(f"{config_path}: {key}={head_value!r} but the target has {key}={target_value!r}")
+    target_fingerprint = target_fingerprint or target.fingerprint
     if head_config.target_fingerprint and target_fingerprint and head_config.target_fingerprint != target_fingerprint:
         raise UserError(
             f"{config_path}: target_fingerprint {head_config.target_fingerprint!r} does not match the target's "

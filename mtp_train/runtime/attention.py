@@ -109,9 +109,13 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def _allowed_mask(q_positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
-    """[n_q, kv_len] bool: causal (key position <= query position), optionally within a sliding window."""
-    key_positions = torch.arange(kv_len, device=q_positions.device)
+def _allowed_mask(
+    q_positions: torch.Tensor, kv_len: int, sliding_window: int | None, key_positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[n_q, kv_len] bool: causal (key position <= query position), optionally within a sliding window. Cached keys
+    sit at positions 0..kv_len-1; without a cache the keys are the new tokens themselves (`key_positions`)."""
+    if key_positions is None:
+        key_positions = torch.arange(kv_len, device=q_positions.device)
     allowed = key_positions[None, :] <= q_positions[:, None]
     if sliding_window is not None:
         allowed &= key_positions[None, :] > q_positions[:, None] - sliding_window
@@ -169,7 +173,8 @@ class TorchAttention(AttentionBackend):
                 elif n_q == kv_len and plain_causal:
                     masks.append("causal")
                 else:
-                    masks.append(_allowed_mask(q_positions, kv_len, sliding_window))
+                    key_positions = None if batch.uses_cache else q_positions
+                    masks.append(_allowed_mask(q_positions, kv_len, sliding_window, key_positions))
             plan["masks"] = masks
         batch._plans[key] = plan
         return plan

@@ -110,6 +110,7 @@ def load_model(
     model.load_state_dict({k: state[k].to(torch_dtype) for k in expected}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.source_dir = str(model_dir)
     model.to(device)
     model.eval()
     model.requires_grad_(False)

@@ -57,9 +57,12 @@ class RotaryEmbedding(nn.Module):
             self.attention_scaling = 1.0
         else:
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf, "cpu")
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # A plain attribute, not a buffer: `module.to(bfloat16)` must not round the frequencies.
+        self.inv_freq = inv_freq.float()
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
@@ -160,6 +163,17 @@ class CausalLM(nn.Module):
         with torch.device("cpu"):  # real tables even when the weights are built on the meta device
             self.rotary = RotaryEmbedding(config)
         self.backend = backend or TorchAttention()
+        self.source_dir: str | None = None  # set by the loader; names the checkpoint for fingerprints
+        self._fingerprint: str | None = None
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The target fingerprint (config + weights hash) of the directory this model was loaded from."""
+        if self._fingerprint is None and self.source_dir is not None:
+            from mtp_train.fingerprint import target_fingerprint
+
+            self._fingerprint = target_fingerprint(self.source_dir)
+        return self._fingerprint
 
     @property
     def dtype(self) -> torch.dtype:

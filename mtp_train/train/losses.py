@@ -203,7 +203,6 @@ def unrolled_losses(
     if sum(lengths) != token_ids.shape[0] or any(n < 0 for n in lengths):
         raise ValueError(f"lengths {lengths} do not partition the {token_ids.shape[0]} packed tokens")
     device = token_ids.device
-    sliding_window = getattr(getattr(head, "config", None), "sliding_window", None)
     total: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor | int] = {}
     previous_out: torch.Tensor | None = None  # [R_{k-1}, d]
@@ -217,10 +216,6 @@ def unrolled_losses(
         else:  # row i of each sequence at step k-1 is also row i at step k (the last row drops out)
             hidden = previous_out[_row_starts(previous_lengths, rows.lengths, device) + rows.local]  # [R, d]
         positions = rows.local + (k - 1)
-        if sliding_window is not None and k > 1 and max(rows.lengths) > sliding_window:
-            # The runtime's no-cache sliding-window mask assumes positions start at 0 in each sequence. Rotary
-            # attention depends only on position differences, so positions i (not i+k-1) give the same scores.
-            positions = rows.local
         batch = _step_batch(rows.lengths, positions, device)
         out = head(token_ids[rows.read], hidden, batch)  # [R, d]
         losses = step_losses(out, target_hidden[rows.read], rows.counted, head.lm_head_weight, chunk_size, feature_beta)
