@@ -21,6 +21,7 @@ STAGE_MODULES = [
     "mtp_train.runtime.cli",
     "mtp_train.data.prepare",
     "mtp_train.features.cli",
+    "mtp_train.train.cli",
 ]
 
 

@@ -78,6 +78,7 @@ class FeatureReader:
         if not self.samples:
             raise UserError(f"{self.root}: split {split!r} has no samples")
         self.epoch, self.batch_in_epoch = 0, 0
+        self.epoch_batches(0)  # fail now, not mid-run, if the cache is too small for the ranks
 
     def _open(self, shard_id: int):
         if shard_id in self._handles:

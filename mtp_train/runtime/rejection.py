@@ -1,0 +1,86 @@
+"""The speculative-decoding rejection sampler (Leviathan et al. 2023; Chen et al. 2023), one sequence at a time.
+
+Given k draft tokens `d_1..d_k`, the draft distributions `q_j` they were sampled from and the target distributions
+`p_0..p_k` at the same positions (`p_j` predicts the token after `d_j`, `p_0` the one after the last committed
+token), all after the same temperature / top-k / top-p processing (`sampler.processed_probs`):
+
+- draft j is accepted with probability `min(1, p_{j-1}(d_j) / q_j(d_j))`, in order;
+- on the first rejection, one token is sampled from `norm(max(0, p_{j-1} - q_j))` and the step ends;
+- if all k are accepted, a bonus token is sampled from `p_k`.
+
+The emitted tokens are then distributed exactly as if sampled from the target one by one (the method is lossless).
+Greedy mode is the deterministic special case: accept while the draft equals `argmax p`, then emit the argmax.
+
+Indexing in code is 0-based: `draft_token_ids[j]` is checked against `target_probs[j]`, and `target_probs[k]` is the
+bonus distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Below this total mass the residual max(0, p - q) is rounding noise (p == q up to float error); sample from p.
+_RESIDUAL_EPS = 1e-8
+
+
+@dataclass(frozen=True)
+class RejectionResult:
+    accepted_len: int  # how many leading draft tokens were accepted (0..k)
+    token_ids: list[int]  # accepted drafts + one corrected (on rejection) or bonus (all accepted) token: length a+1
+
+
+def greedy_accept(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor) -> RejectionResult:
+    """Greedy verification. `draft_token_ids`: [k]; `target_argmax`: [k+1], the target's argmax at each position.
+    Accepts the longest prefix where the draft equals the target's choice, then emits the target's next choice."""
+    k = int(draft_token_ids.shape[0])
+    if target_argmax.shape[0] != k + 1:
+        raise ValueError(f"expected {k + 1} target positions for {k} drafts, got {target_argmax.shape[0]}")
+    drafts = draft_token_ids.tolist()
+    choices = target_argmax.tolist()
+    accepted_len = 0
+    while accepted_len < k and drafts[accepted_len] == choices[accepted_len]:
+        accepted_len += 1
+    return RejectionResult(accepted_len, drafts[:accepted_len] + [choices[accepted_len]])
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [k] int64, sampled from draft_probs
+    draft_probs: torch.Tensor | None,  # [k, vocab] fp32 (None only when greedy)
+    target_probs: torch.Tensor,  # [k + 1, vocab] fp32
+    generator: torch.Generator | None = None,
+    greedy: bool = False,
+) -> RejectionResult:
+    """Verify one sequence's drafts against the target; see the module docstring. With `greedy=True` no random numbers
+    are drawn and `draft_probs` is ignored (the target's argmax decides). A draft whose draft probability is 0 (it
+    cannot have been sampled from `q`, e.g. float underflow) is accepted iff the target gives it positive
+    probability; a token the target gives probability 0 is never emitted."""
+    k = int(draft_token_ids.shape[0])
+    if target_probs.shape[0] != k + 1:
+        raise ValueError(f"expected target_probs of shape [{k + 1}, vocab] for {k} drafts, got {tuple(target_probs.shape)}")
+    if greedy:
+        return greedy_accept(draft_token_ids, target_probs.argmax(-1))
+    if draft_probs is None or draft_probs.shape != (k, target_probs.shape[1]):
+        shape = None if draft_probs is None else tuple(draft_probs.shape)
+        raise ValueError(f"expected draft_probs of shape [{k}, {target_probs.shape[1]}], got {shape}")
+
+    target_probs = target_probs.float()
+    draft_probs = draft_probs.float()
+    positions = torch.arange(k, device=target_probs.device)
+    target_p = target_probs[positions, draft_token_ids]  # [k]: p_j(d_j)
+    draft_q = draft_probs[positions, draft_token_ids]  # [k]: q_j(d_j)
+    uniforms = torch.rand(k, generator=generator, device=target_probs.device)  # [k]
+    # u < p/q without dividing: q = 0 accepts iff p > 0; p = 0 never accepts (strict inequality).
+    accepted = (uniforms * draft_q < target_p).tolist()
+    accepted_len = accepted.index(False) if False in accepted else k
+
+    drafts = draft_token_ids.tolist()[:accepted_len]
+    if accepted_len == k:
+        next_probs = target_probs[k]  # bonus token
+    else:
+        residual = (target_probs[accepted_len] - draft_probs[accepted_len]).clamp_(min=0)  # [vocab]
+        mass = residual.sum()
+        next_probs = residual / mass if mass > _RESIDUAL_EPS else target_probs[accepted_len]
+    next_token = int(torch.multinomial(next_probs, 1, generator=generator))
+    return RejectionResult(accepted_len, drafts + [next_token])

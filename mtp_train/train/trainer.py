@@ -1,0 +1,339 @@
+"""`mtp-train train`: fit a draft head on the feature cache with DeepSpeed (also under torchrun, multi-node).
+
+Read top to bottom: set-up (distributed, target's frozen parts, head, feature readers, DeepSpeed engine, schedule,
+resume), then the loop (micro-batches → unrolled losses → backward → step; periodic held-out validation through the
+runtime's draft path; checkpoints), then the head files. The run dir (`train.run_dir`, default `runs/<name>/`) holds
+`checkpoints/step-N/` (DeepSpeed + our client state), `metrics.jsonl`, `summary.json`, `recipe.resolved.yaml`,
+`wandb/` and, at the end, `head/` (native safetensors + head_config.json).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mtp_train.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# Keys that may change between a checkpoint and its resumption (they do not change what is computed step by step).
+RESUMABLE_CHANGES = {
+    "name", "target.path", "target.device", "data.output_dir", "precompute.output_dir", "train.run_dir",
+    "train.max_steps", "train.epochs", "train.eval_every", "train.save_every", "train.keep_last",
+}
+RESUME_CHECKED_SECTIONS = ("target", "precompute", "head", "train")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# set-up helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else key, sub, out)
+    else:
+        out[prefix] = value
+    return out
+
+
+def changed_recipe_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Dotted keys of the checked sections whose values differ (ignoring RESUMABLE_CHANGES)."""
+    old = _flatten("", {s: saved.get(s) for s in RESUME_CHECKED_SECTIONS}, {})
+    new = _flatten("", {s: current.get(s) for s in RESUME_CHECKED_SECTIONS}, {})
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """LR multiplier at optimizer step `step` (0-based): linear warmup, then cosine/linear decay to min_ratio."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return min_ratio + (1 - min_ratio) * (1 - progress)
+
+
+def deepspeed_config(recipe, world_size: int, use_bf16: bool) -> dict[str, Any]:
+    """The recipe's DeepSpeed JSON (if any) completed with the values the recipe owns; conflicts are errors."""
+    train = recipe.train
+    config: dict[str, Any] = {}
+    if train.deepspeed_config:
+        path = Path(train.deepspeed_config)
+        if not path.is_file():
+            raise UserError(f"train.deepspeed_config: {path} not found")
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}: invalid JSON ({err})") from None
+    zero = config.setdefault("zero_optimization", {})
+    if "stage" in zero and zero["stage"] != train.zero_stage:
+        raise UserError(
+            f"{train.deepspeed_config}: zero_optimization.stage={zero['stage']} but the recipe's train.zero_stage="
+            f"{train.zero_stage}; make them agree"
+        )
+    zero["stage"] = train.zero_stage
+    # One micro-batch = one packed token-budget batch from the feature reader.
+    for key, ours in (("train_micro_batch_size_per_gpu", 1), ("gradient_accumulation_steps", train.grad_accum)):
+        if key in config and config[key] != ours:
+            raise UserError(
+                f"{train.deepspeed_config}: {key}={config[key]} conflicts with the recipe ({ours}); micro-batches are "
+                "token-budget batches (train.micro_batch_tokens), accumulation is train.grad_accum"
+            )
+        config[key] = ours
+    expected_global = train.grad_accum * world_size
+    if "train_batch_size" in config and config["train_batch_size"] != expected_global:
+        raise UserError(
+            f"{train.deepspeed_config}: train_batch_size={config['train_batch_size']} does not equal "
+            f"micro-batches (1) × train.grad_accum ({train.grad_accum}) × world size ({world_size}) = {expected_global}"
+        )
+    config["train_batch_size"] = expected_global
+    config.setdefault("gradient_clipping", train.clip)
+    config["bf16"] = {**config.get("bf16", {}), "enabled": use_bf16}
+    config.setdefault("steps_per_print", 10**9)
+    config.setdefault("wall_clock_breakdown", False)
+    return config
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def _checkpoints(ckpt_dir: Path) -> list[Path]:
+    found = [p for p in ckpt_dir.glob("step-*") if p.is_dir() and (p / "client_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_training(recipe, resume: str = "auto", force: bool = False, show_progress: bool = True) -> Path:
+    """Train the head of `recipe`. resume: "auto" (continue from the run dir's latest checkpoint if any), "never",
+    or a checkpoint directory. Returns the run dir. Collective under torchrun."""
+    import deepspeed
+
+    from mtp_train.features.reader import FeatureReader
+    from mtp_train.fingerprint import target_fingerprint
+    from mtp_train.heads import DraftHead, HeadConfig, save_head
+    from mtp_train.recipe import recipe_to_dict, save_resolved
+    from mtp_train.runtime.loader import load_model
+    from mtp_train.train.losses import unrolled_losses
+    from mtp_train.train.tracking import Tracker, truncate_metrics
+    from mtp_train.train.validation import validate
+
+    train = recipe.train
+    run_dir = Path(train.run_dir or f"runs/{recipe.name}")
+    features_dir = Path(recipe.precompute.output_dir or f"data/features/{recipe.name}")
+
+    # Distributed: gloo on CPU, NCCL on CUDA; works alone (world size 1) too.
+    use_cuda = torch.cuda.is_available() and recipe.target.device in ("auto", "cuda")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    is_main = rank == 0
+
+    # Target (frozen: only embed_tokens and lm_head are used, by reference) and the head.
+    target = load_model(recipe.target.path, dtype=recipe.target.dtype, device=device)
+    fingerprint = target_fingerprint(recipe.target.path)
+    readers_kwargs = dict(micro_batch_tokens=train.micro_batch_tokens, rank=rank, world_size=world_size,
+                          seed=train.seed, expected_fingerprints={"target": fingerprint})
+    train_reader = FeatureReader(features_dir, "train", dtype=target.dtype, **readers_kwargs)
+    eval_reader = FeatureReader(features_dir, "eval", dtype=target.dtype, **{**readers_kwargs, "rank": 0,
+                                "world_size": 1})
+    head_options = recipe.head
+    head_config = HeadConfig.for_target(
+        target.config, target_fingerprint=fingerprint, kind=head_options.kind, num_layers=head_options.num_layers,
+        init=head_options.init,
+        draft_vocab_size=None if head_options.draft_vocab_size == "full" else head_options.draft_vocab_size,
+    )
+    torch.manual_seed(train.seed)
+    head = DraftHead.from_target(target, head_config, dtype=torch.float32)
+
+    batches_per_epoch = train_reader.batches_per_epoch()
+    steps_per_epoch = max(1, batches_per_epoch // train.grad_accum)
+    total_steps = train.max_steps or steps_per_epoch * train.epochs
+
+    optimizer = torch.optim.AdamW(head.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+                                  betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, train.warmup_steps, total_steps, train.schedule, train.min_lr_ratio)
+    )
+    use_bf16 = recipe.target.dtype == "bfloat16"
+    engine, _, _, _ = deepspeed.initialize(
+        model=head, optimizer=optimizer, lr_scheduler=scheduler,
+        config=deepspeed_config(recipe, world_size, use_bf16),
+    )
+
+    # Resume.
+    ckpt_dir = run_dir / "checkpoints"
+    start_step = 0
+    saved_recipe_path = run_dir / "recipe.resolved.yaml"
+    resume_from: Path | None = None
+    if resume == "auto":
+        existing = _checkpoints(ckpt_dir)
+        resume_from = existing[-1] if existing else None
+    elif resume != "never":
+        resume_from = Path(resume)
+        if not (resume_from / "client_state.json").is_file():
+            raise UserError(f"{resume_from}: not a checkpoint of this trainer (no client_state.json)")
+    if resume_from is not None:
+        import yaml
+
+        if saved_recipe_path.is_file():
+            saved = yaml.safe_load(saved_recipe_path.read_text())
+            changed = changed_recipe_keys(saved, recipe_to_dict(recipe))
+            if changed and not force:
+                raise UserError(
+                    f"{run_dir}: resuming with a changed recipe ({', '.join(changed)}); use the saved recipe, another "
+                    "train.run_dir, or --force to resume anyway"
+                )
+        load_path, client = engine.load_checkpoint(str(resume_from.parent), tag=resume_from.name)
+        if load_path is None:
+            raise UserError(f"{resume_from}: DeepSpeed could not load this checkpoint")
+        state = json.loads((resume_from / "client_state.json").read_text())
+        train_reader.load_state_dict(state["reader"])
+        _set_rng_state(client["rng"][rank] if isinstance(client.get("rng"), list) else client["rng"])
+        start_step = state["step"]
+        if is_main:
+            print(f"train: resumed from {resume_from} at step {start_step}")
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_resolved(recipe, run_dir)
+        if resume_from is None:
+            for stale in ("metrics.jsonl", "summary.json"):
+                (run_dir / stale).unlink(missing_ok=True)
+        else:
+            truncate_metrics(run_dir / "metrics.jsonl", start_step)
+    dist.barrier()
+    tracker = Tracker(run_dir, recipe, enabled=is_main, resume=resume_from is not None)
+
+    def save_checkpoint(step: int, tag: str | None = None) -> Path:
+        tag = tag or f"step-{step}"
+        rngs = [None] * world_size
+        dist.all_gather_object(rngs, _rng_state())
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"rng": rngs})
+        path = ckpt_dir / tag
+        if is_main:
+            from mtp_train.features.format import write_json_atomic
+
+            write_json_atomic(path / "client_state.json", {"step": step, "reader": train_reader.state_dict(),
+                                                           "target_fingerprint": fingerprint})
+            for old in _checkpoints(ckpt_dir)[: -train.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return path
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    from tqdm import tqdm
+
+    loss_kwargs = dict(unroll_steps=train.unroll_steps, step_weight_decay=train.step_weight_decay,
+                       feature_weight=train.feature_loss_weight, kl_weight=train.kl_loss_weight,
+                       chunk_size=train.logits_chunk_size)
+    data = iter(train_reader)
+    progress = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                    disable=not (is_main and show_progress), dynamic_ncols=True)
+    started = time.perf_counter()
+    tokens_seen = 0
+    last_validation: dict[str, float] = {}
+    step = start_step
+    engine.train()
+    while step < total_steps:
+        sums: dict[str, float] = {}
+        for _ in range(train.grad_accum):
+            batch = next(data)
+            loss, metrics = unrolled_losses(
+                engine, batch.input_ids.to(device), batch.hidden.to(device), batch.loss_mask.to(device),
+                batch.lengths, **loss_kwargs,
+            )
+            engine.backward(loss)
+            engine.step()
+            tokens_seen += batch.num_tokens
+            for k in range(1, train.unroll_steps + 1):
+                rows = metrics.get(f"step{k}/rows", 0)
+                sums[f"step{k}/rows"] = sums.get(f"step{k}/rows", 0) + rows
+                for name in ("feature", "kl", "top1", "top3", "alpha"):
+                    if f"step{k}/{name}" in metrics:
+                        sums[f"step{k}/{name}"] = sums.get(f"step{k}/{name}", 0.0) + float(metrics[f"step{k}/{name}"]) * rows
+            sums["loss"] = sums.get("loss", 0.0) + float(metrics["loss"]) / train.grad_accum
+            sums["tokens"] = sums.get("tokens", 0) + batch.num_tokens
+        # Average over ranks (row-weighted for per-step metrics).
+        keys = sorted(sums)
+        reduced = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(reduced)
+        totals = dict(zip(keys, reduced.tolist()))
+        step += 1
+        if not math.isfinite(totals["loss"]):
+            path = save_checkpoint(step - 1, tag=f"nan-step-{step}")
+            raise UserError(f"loss is {totals['loss']} at step {step}; stopped, state before it saved at {path} "
+                            "(lower train.lr, raise train.warmup_steps, or check the features)")
+        row = {"loss": totals["loss"] / world_size, "lr": engine.get_lr()[0],
+               "tokens": int(totals["tokens"]), "epoch": train_reader.epoch}
+        for k in range(1, train.unroll_steps + 1):
+            rows = totals.get(f"step{k}/rows", 0)
+            for name in ("feature", "kl", "top1", "top3", "alpha"):
+                if rows and f"step{k}/{name}" in totals:
+                    row[f"train/step{k}/{name}"] = totals[f"step{k}/{name}"] / rows
+        elapsed = time.perf_counter() - started
+        row["tokens_per_s"] = tokens_seen * world_size / max(elapsed, 1e-9)
+        if step % train.eval_every == 0 or step == total_steps:
+            last_validation = validate(engine.module, eval_reader, loss_kwargs, device)
+            row.update({f"val/{k}": v for k, v in last_validation.items()})
+        tracker.log(step, row)
+        progress.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row.get('train/step1/top1', 0):.3f}",
+                             tok_s=f"{row['tokens_per_s']:.0f}")
+        progress.update(1)
+        if step % train.save_every == 0 or step == total_steps:
+            save_checkpoint(step)
+    progress.close()
+
+    # ---- the head files ---------------------------------------------------------------------------------------
+    head_dir = run_dir / "head"
+    if train.zero_stage == 3:  # collective: every rank gathers, rank 0 writes
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            if is_main:
+                save_head(engine.module, head_dir)
+    elif is_main:
+        save_head(engine.module, head_dir)
+    if is_main:
+        summary = {"steps": step, "tokens": tokens_seen * world_size, "train_seconds": time.perf_counter() - started,
+                   "world_size": world_size, "head_dir": str(head_dir), "target_fingerprint": fingerprint,
+                   **{f"val/{k}": v for k, v in last_validation.items()}}
+        tracker.finish(summary)
+        print(f"train: {step} steps; head saved to {head_dir}; held-out step-1 top-1 "
+              f"{last_validation.get('step1/top1', float('nan')):.4f}")
+    dist.barrier()
+    return run_dir

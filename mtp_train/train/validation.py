@@ -1,0 +1,65 @@
+"""Held-out validation of a head through the inference implementation.
+
+Step 1 runs the head exactly as the speculative engine does: through a paged KV cache (`BatchInfo.for_sequences`,
+the runtime's attention backend), over every held-out sample's rows (H_i, t_{i+1}); its logits are compared with
+the target's next-token distribution recomputed from H_{i+1}. Steps 2..k (the head fed its own outputs) come from
+the training unroll under no_grad. Metrics are means over the counted rows (loss positions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp_train.runtime.attention import BatchInfo
+from mtp_train.runtime.kv_cache import PageAllocator, Sequence
+
+
+@torch.no_grad()
+def validate(head, reader, loss_kwargs: dict, device: torch.device, page_size: int = 16) -> dict[str, float]:
+    from mtp_train.train.losses import step_losses, unrolled_losses
+
+    was_training = head.training
+    head.eval()
+    sums: dict[str, float] = {}
+    for positions in reader.epoch_batches(0):
+        batch = reader.load(positions)
+        token_ids, hidden = batch.input_ids.to(device), batch.hidden.to(device)
+        loss_mask = batch.loss_mask.to(device)
+        # Step 1 through the paged draft path: rows i = 0..n-2 of each sample read (H_i, t_{i+1}).
+        row_counts = [n - 1 for n in batch.lengths if n >= 2]
+        starts = torch.tensor([0, *batch.lengths[:-1]], device=device).cumsum(0)
+        read = torch.cat([torch.arange(1, n, device=device) + s for n, s in zip(batch.lengths, starts.tolist()) if n >= 2])
+        counted = torch.cat([
+            torch.cat([loss_mask[s + 2 : s + n].bool(), torch.zeros(1, dtype=torch.bool, device=device)])
+            for n, s in zip(batch.lengths, starts.tolist()) if n >= 2
+        ])
+        allocator = PageAllocator(sum(-(-c // page_size) for c in row_counts), page_size)
+        cache = head.new_kv_cache(allocator)
+        sequences = [Sequence(i) for i in range(len(row_counts))]
+        info = BatchInfo.for_sequences(sequences, row_counts, allocator, device)
+        out = head(token_ids[read], hidden[read - 1], info, kv_cache=cache)  # [R, d]
+        step1 = step_losses(out, hidden[read], counted, head.lm_head_weight, loss_kwargs.get("chunk_size"))
+        for seq in sequences:
+            seq.release(allocator)
+        rows = step1.rows
+        sums["step1/rows"] = sums.get("step1/rows", 0) + rows
+        for name in ("feature", "kl", "top1", "top3", "alpha"):
+            sums[f"step1/{name}"] = sums.get(f"step1/{name}", 0.0) + float(getattr(step1, name)) * rows
+        # Steps 2..k from the unroll (training forward, no cache).
+        if loss_kwargs.get("unroll_steps", 1) > 1:
+            _, metrics = unrolled_losses(head, token_ids, hidden, loss_mask, batch.lengths, **loss_kwargs)
+            for k in range(2, loss_kwargs["unroll_steps"] + 1):
+                rows_k = metrics.get(f"step{k}/rows", 0)
+                sums[f"step{k}/rows"] = sums.get(f"step{k}/rows", 0) + rows_k
+                for name in ("feature", "kl", "top1", "top3", "alpha"):
+                    if f"step{k}/{name}" in metrics:
+                        sums[f"step{k}/{name}"] = sums.get(f"step{k}/{name}", 0.0) + float(metrics[f"step{k}/{name}"]) * rows_k
+    head.train(was_training)
+    result: dict[str, float] = {}
+    for key, value in sums.items():
+        if key.endswith("/rows"):
+            result[key] = int(value)
+        else:
+            rows = sums[key.split("/")[0] + "/rows"]
+            result[key] = value / rows if rows else float("nan")
+    return result

@@ -1,0 +1,196 @@
+"""Trainer: DeepSpeed ZeRO-2 under torchrun (loss falls, head files hold no frozen tensors), exact resume after a
+kill, frozen target tensors untouched, and the refusals (changed recipe, foreign features, too-small cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.features.precompute import run_precompute
+from mtp_train.recipe import load_recipe
+from tests.pipeline_fixtures import tiny_pipeline
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "smollm2-135m-mtp.yaml"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+TRAIN = {"train.micro_batch_tokens": 256, "train.warmup_steps": 2, "train.lr": 3e-3, "train.zero_stage": 2,
+         "train.eval_every": 10, "train.save_every": 10}
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _head_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "head" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    recipe, overrides = tiny_pipeline(root, num_conversations=60, **TRAIN)
+    run_precompute(recipe)
+    return root, overrides
+
+
+def test_torchrun_zero2_two_ranks_loss_falls_and_head_has_no_frozen_tensors(features):
+    root, overrides = features
+    run_dir = root / "run-ddp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-port=29533", "-m",
+               "mtp_train", "train", "--recipe", str(RECIPE), *_sets(overrides),
+               "--set", f"train.run_dir={run_dir}", "--set", "train.max_steps=24", "--set", "target.dtype=bfloat16"]
+    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = _metrics(run_dir)
+    assert len(rows) == 24
+    first = sum(r["loss"] for r in rows[:4]) / 4
+    last = sum(r["loss"] for r in rows[-4:]) / 4
+    assert last < first * 0.9, (first, last)
+    tensors = _head_tensors(run_dir)
+    assert not [k for k in tensors if "embed" in k or "lm_head" in k]
+    assert "eh_proj.weight" in tensors and "layers.0.mlp.down_proj.weight" in tensors
+    config = json.loads((run_dir / "head" / "head_config.json").read_text())
+    assert config["kind"] == "mtp" and config["target_fingerprint"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and "val/step1/top1" in summary
+
+
+def test_frozen_target_tensors_unchanged(features):
+    from mtp_train.runtime.loader import load_model
+    from mtp_train.train import trainer
+
+    root, overrides = features
+    recipe = load_recipe(RECIPE, overrides + [f"train.run_dir={root / 'run-frozen'}", "train.max_steps=4"])
+    captured = {}
+    import mtp_train.runtime.loader as loader
+
+    def capturing_load(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        captured["model"] = model
+        captured["embed"] = model.model.embed_tokens.weight.detach().clone()
+        captured["lm_head"] = model.lm_head.weight.detach().clone()
+        return model
+
+    loader_load = loader.load_model
+    loader.load_model = capturing_load
+    try:
+        trainer.run_training(recipe, show_progress=False)
+    finally:
+        loader.load_model = loader_load
+    model = captured["model"]
+    assert torch.equal(model.model.embed_tokens.weight, captured["embed"])
+    assert torch.equal(model.lm_head.weight, captured["lm_head"])
+    assert model.model.embed_tokens.weight.grad is None and model.lm_head.weight.grad is None
+
+
+def test_kill_after_checkpoint_then_resume_matches_uninterrupted(features):
+    root, overrides = features
+    common = _sets(overrides) + ["--set", "train.max_steps=16", "--set", "train.save_every=4",
+                                 "--set", "train.keep_last=5", "--set", "target.dtype=bfloat16"]
+    straight = root / "run-straight"
+    result = subprocess.run([sys.executable, "-m", "mtp_train", "train", "--recipe", str(RECIPE), *common,
+                             "--set", f"train.run_dir={straight}"], cwd=REPO, env=ENV, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    killed = root / "run-killed"
+    command = [sys.executable, "-m", "mtp_train", "train", "--recipe", str(RECIPE), *common,
+               "--set", f"train.run_dir={killed}"]
+    process = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if (killed / "checkpoints" / "step-8" / "client_state.json").is_file():
+            break
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (killed / "head").exists(), "the run finished before it could be killed"
+    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stdout
+    a, b = _head_tensors(straight), _head_tensors(killed)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    losses_a = [r["loss"] for r in _metrics(straight)]
+    losses_b = [r["loss"] for r in _metrics(killed)]
+    assert losses_a == losses_b
+
+
+def test_refusals(features, tmp_path):
+    from mtp_train.train.trainer import run_training
+
+    root, overrides = features
+    run_dir = root / "run-refusals"
+    recipe = load_recipe(RECIPE, overrides + [f"train.run_dir={run_dir}", "train.max_steps=2", "train.save_every=1"])
+    run_training(recipe, show_progress=False)
+    changed = load_recipe(RECIPE, overrides + [f"train.run_dir={run_dir}", "train.max_steps=4", "train.lr=1e-2"])
+    with pytest.raises(UserError, match=r"changed recipe \(train.lr\)"):
+        run_training(changed, show_progress=False)
+    # Features of another target: the fingerprint check names it.
+    other_root = tmp_path / "other"
+    other, _ = tiny_pipeline(other_root, num_conversations=12, seed=5)
+    run_precompute(other)
+    foreign = load_recipe(RECIPE, overrides + [f"precompute.output_dir={other.precompute.output_dir}",
+                                               f"train.run_dir={tmp_path / 'run-foreign'}"])
+    with pytest.raises(UserError, match="fingerprint 'target'"):
+        run_training(foreign, show_progress=False)
+    # A cache too small for the batch settings (one huge micro-batch cannot feed two ranks).
+    from mtp_train.features.reader import FeatureReader
+
+    with pytest.raises(UserError, match="fewer than the 2 ranks"):
+        FeatureReader(recipe.precompute.output_dir, micro_batch_tokens=100000, world_size=2)
+
+
+def test_deepspeed_config_conflicts(tmp_path):
+    from mtp_train.train.trainer import deepspeed_config
+
+    recipe = load_recipe(RECIPE, ["train.grad_accum=2", "train.zero_stage=2"])
+    config = deepspeed_config(recipe, world_size=4, use_bf16=True)
+    assert config["train_batch_size"] == 8 and config["zero_optimization"]["stage"] == 2 and config["bf16"]["enabled"]
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"train_batch_size": 16}))
+    with pytest.raises(UserError, match="train_batch_size=16 does not equal"):
+        deepspeed_config(load_recipe(RECIPE, [f"train.deepspeed_config={bad}", "train.grad_accum=2"]), 4, True)
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(UserError, match="stage=3 but the recipe"):
+        deepspeed_config(load_recipe(RECIPE, [f"train.deepspeed_config={bad}", "train.zero_stage=2"]), 1, True)
+
+
+def test_nan_loss_stops_with_a_checkpoint(features, monkeypatch):
+    import mtp_train.train.losses as losses
+    from mtp_train.train.trainer import run_training
+
+    root, overrides = features
+    real = losses.unrolled_losses
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] >= 3:
+            loss = loss * float("nan")
+            metrics["loss"] = loss.detach()
+        return loss, metrics
+
+    monkeypatch.setattr(losses, "unrolled_losses", poisoned)
+    run_dir = root / "run-nan"
+    recipe = load_recipe(RECIPE, overrides + [f"train.run_dir={run_dir}", "train.max_steps=50"])
+    with pytest.raises(UserError, match="loss is nan at step 3; stopped"):
+        run_training(recipe, show_progress=False)
+    assert (run_dir / "checkpoints" / "nan-step-3").is_dir()
+    assert len(_metrics(run_dir)) == 2
