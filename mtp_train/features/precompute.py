@@ -14,7 +14,6 @@ import argparse
 import logging
 import os
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +117,8 @@ def _compare_headers(existing: dict[str, Any], current: dict[str, Any], where: P
 
 
 class _GlobalProgress:
-    """Rank 0's progress bar over all ranks' tokens: its own per batch, the others' from their progress files."""
+    """Rank 0's progress bar over all ranks' tokens. Other ranks publish their token count in a small heartbeat
+    file every few seconds (`.heartbeat-r{rank}`); rank 0 adds them to its own."""
 
     def __init__(self, root: Path, env: DistEnv, total_tokens: int, done_tokens: int):
         from tqdm import tqdm
@@ -127,36 +127,45 @@ class _GlobalProgress:
         self.own_tokens = done_tokens
         self.bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="precompute", disable=env.rank != 0,
                         smoothing=0.1)
-        self.bar.update(self._others_tokens() + done_tokens)
-        self._last_poll = time.monotonic()
+        self._last = 0.0
+        self._publish()
+        self.bar.update(min(total_tokens, self._all_tokens()))
 
-    def _others_tokens(self) -> int:
-        import json
+    def _heartbeat(self, rank: int) -> Path:
+        return self.root / f".heartbeat-r{rank}"
 
-        total = 0
-        for rank in range(self.env.world_size):
-            if rank == self.env.rank:
-                continue
+    def _publish(self) -> None:
+        if self.env.rank != 0:
+            tmp = self.root / f".heartbeat-r{self.env.rank}.tmp"
+            tmp.write_text(str(self.own_tokens))
+            os.replace(tmp, self._heartbeat(self.env.rank))
+
+    def _all_tokens(self) -> int:
+        total = self.own_tokens
+        for rank in range(1, self.env.world_size):
             try:
-                shards = json.loads(progress_path(self.root, rank).read_text())["shards"]
-            except (OSError, ValueError, KeyError):
-                continue
-            total += sum(record["num_tokens"] for record in shards.values())
+                total += int(self._heartbeat(rank).read_text() or 0)
+            except (OSError, ValueError):
+                pass
         return total
 
     def advance(self, tokens: int) -> None:
         self.own_tokens += tokens
-        if self.env.rank != 0:
-            return
         now = time.monotonic()
-        if now - self._last_poll > 2.0 or self.env.world_size == 1:
-            self._last_poll = now
-            self.bar.n = min(self.bar.total, self.own_tokens + self._others_tokens())
-            self.bar.refresh()
+        if now - self._last < 2.0:
+            return
+        self._last = now
+        if self.env.rank != 0:
+            self._publish()
         else:
-            self.bar.update(tokens)
+            self.bar.n = min(self.bar.total, self._all_tokens())
+            self.bar.refresh()
 
     def close(self) -> None:
+        self._publish()
+        if self.env.rank == 0:
+            self.bar.n = min(self.bar.total, self._all_tokens())
+            self.bar.refresh()
         self.bar.close()
 
 

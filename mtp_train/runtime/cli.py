@@ -1,4 +1,8 @@
-"""`mtp-train generate`: chat with a target model through the runtime (streams text; `--json` for machines)."""
+"""`mtp-train generate`: chat with a target model through the runtime (streams text; `--json` for machines).
+
+With `--head DIR` (a trained draft head, MTP chain schedule) or `--draft DIR` (a smaller model with the target's
+tokenizer, target–draft schedule) it decodes speculatively; the output is the same as without (token-identical in
+greedy mode) and `--json` adds the acceptance statistics."""
 
 from __future__ import annotations
 
@@ -24,6 +28,14 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    draft = p.add_mutually_exclusive_group()
+    draft.add_argument("--head", default=None, metavar="DIR", help="decode speculatively with this draft head (MTP chain)")
+    draft.add_argument(
+        "--draft", default=None, metavar="DIR", help="decode speculatively with this smaller model (same tokenizer)"
+    )
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=3, metavar="K", help="draft tokens per step with --head/--draft (1..8)"
+    )
     p.set_defaults(func=run_generate)
 
 
@@ -55,16 +67,28 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt_ids = encode_chat(tokenizer, messages, target)
     stops = stop_token_ids(tokenizer, model.config)
 
+    draft = _load_draft(args, model, tokenizer, target)
+
     streamer = None if args.json else TextStreamer(tokenizer)
-    results, stats = generate(
-        model,
-        [prompt_ids],
-        args.max_new_tokens,
-        sampling,
-        stop_token_ids=stops,
-        seed=args.seed,
-        on_tokens=(lambda _i, ids: streamer.push(ids)) if streamer else None,
-    )
+    on_tokens = (lambda _i, ids: streamer.push(ids)) if streamer else None
+    if draft is None:
+        results, stats = generate(
+            model, [prompt_ids], args.max_new_tokens, sampling, stop_token_ids=stops, seed=args.seed, on_tokens=on_tokens
+        )
+    else:
+        from mtp_train.runtime.speculative import speculative_generate
+
+        results, stats = speculative_generate(
+            model,
+            draft,
+            [prompt_ids],
+            args.max_new_tokens,
+            args.num_speculative_tokens,
+            sampling,
+            stop_token_ids=stops,
+            seed=args.seed,
+            on_tokens=on_tokens,
+        )
     token_ids = results[0].token_ids
     if token_ids and token_ids[-1] in stops:
         token_ids = token_ids[:-1]
@@ -79,16 +103,43 @@ def run_generate(args: argparse.Namespace) -> int:
                     "finish_reason": results[0].finish_reason,
                     "tokens_per_s": round(stats.tokens_per_s, 2),
                     "prompt_tokens": len(prompt_ids),
+                    **({"stats": stats.to_dict()} if draft is not None else {}),
                 }
             )
         )
     else:
         streamer.finish()
+        spec = f", tau {stats.tau:.2f}, alpha {stats.alpha:.2f}" if draft is not None else ""
         print(
-            f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, {results[0].finish_reason}]",
+            f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s{spec}, {results[0].finish_reason}]",
             file=sys.stderr,
         )
     return 0
+
+
+def _load_draft(args: argparse.Namespace, model, tokenizer, target: str):
+    """The draft for `--head` / `--draft` (None without either). A draft model must use the target's tokenizer."""
+    from mtp_train.errors import UserError
+    from mtp_train.runtime.loader import load_model, load_tokenizer
+
+    if not args.head and not args.draft:
+        return None
+    if not 1 <= args.num_speculative_tokens <= 8:
+        raise UserError(f"--num-speculative-tokens must be in 1..8, got {args.num_speculative_tokens}")
+    if args.head:
+        from mtp_train.heads import load_head
+
+        return load_head(args.head, model)
+    draft_tokenizer = load_tokenizer(args.draft)
+    target_vocab, draft_vocab = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = len(set(target_vocab.items()) ^ set(draft_vocab.items()))
+        raise UserError(
+            f"--draft {args.draft}: its tokenizer differs from the target's ({target}): {len(draft_vocab)} vs "
+            f"{len(target_vocab)} tokens, {differing} (token, id) pair(s) differ; a draft model must share the "
+            "target's tokenizer"
+        )
+    return load_model(args.draft, dtype=args.dtype, device=args.device)
 
 
 class TextStreamer:

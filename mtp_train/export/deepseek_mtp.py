@@ -1,0 +1,202 @@
+"""`deepseek-mtp`: the DeepSeek-V3 multi-token-prediction layout, for the MTP head (restored norms).
+
+Matched against (read through the code index; commits as stored there):
+- deepseek-ai/DeepSeek-V3 README_WEIGHTS.md @ 0b39205aed0d4b1f9a2798e8551e4059c8f94b0c: MTP module k is stored as
+  `model.layers.{num_hidden_layers + k}` with `embed_tokens`, `enorm`, `hnorm`, `eh_proj`, the block's
+  `self_attn`/`mlp`/norms and `shared_head` (`norm`, `head`); `num_nextn_predict_layers` in config.json.
+- vLLM vllm/model_executor/models/deepseek_mtp.py @ 4f7c14402630b97c8c078523fca8edef287ed2cf
+  (`DeepSeekMultiTokenPredictorLayer`): `eh_proj(cat([enorm(embed), hnorm(previous_hidden)]))` -- embed first, as
+  ours -- then the block, `residual + hidden` returned *before* `shared_head.norm` (applied in compute_logits);
+  the embedding is zeroed at position 0; block weights are renamed onto `.mtp_block.`; every parameter, including
+  `embed_tokens` and `shared_head.head`, is a module parameter the checkpoint must fill.
+- SGLang python/sglang/srt/models/deepseek_nextn.py @ c28bdc9012d29bed6b96688a44d6788157ef3d86
+  (`DeepseekModelNextN`): same concat order (`enorm(embed)`, `hnorm(spec_info.hidden_states)`); returns the state
+  *after* `shared_head.norm`, which SGLang also feeds to the next draft step; `shared_head.head` is the lm_head.
+
+Layout written (L = the target's num_hidden_layers, one MTP module, `num_nextn_predict_layers: 1`):
+
+    model.layers.{L}.embed_tokens.weight       [V, d]   the target's embeddings (frozen; from --target)
+    model.layers.{L}.enorm.weight              [d]
+    model.layers.{L}.hnorm.weight              [d]
+    model.layers.{L}.eh_proj.weight            [d, 2d]  columns :d read enorm(embed), d: read hnorm(hidden)
+    model.layers.{L}.input_layernorm.weight    [d]      \
+    model.layers.{L}.self_attn.*, mlp.*                   the head's decoder layer, under the target's names
+    model.layers.{L}.post_attention_layernorm.weight    /
+    model.layers.{L}.shared_head.norm.weight   [d]      the head's final norm
+    model.layers.{L}.shared_head.head.weight   [V, d]   the target's lm_head (frozen; from --target)
+
+`embed_tokens` and `shared_head.head` are written because this layout stores them per MTP module and both engines'
+loaders declare them as parameters that the checkpoint fills (DeepSeek-V3 ships copies of the main model's).
+
+Engine support, precisely: vLLM's `DeepSeekMTP` and SGLang's `DeepseekV3ForCausalLMNextN` build the block as a
+`DeepseekV2DecoderLayer` (MLA attention with a normalized compressed KV latent and a single shared rope key, MoE or
+dense MLP) from a DeepSeek-V3 config. A Llama/Mistral/Qwen block (GQA, per-kv-head rope) has no exact MLA form, so
+**no vLLM or SGLang version we read loads a deepseek-mtp export of a Llama-family head**. The closest dense-block
+loader is vLLM's `MiMoMTP` (vllm/model_executor/models/mimo_mtp.py @ 98debc2424911b9afed8316516f40c338f38c10e): a
+Qwen2 block, but `input_proj(cat([hidden, embed]))` (hidden first), names `model.mtp_layers.{i}.token_layernorm /
+hidden_layernorm / input_proj / mtp_block / final_layernorm`, and a MiMo target; we do not export it. We still
+write the faithful layout, keeping the target's `model_type`/`architectures` so no engine mistakes the file for a
+DeepSeek-V3 checkpoint; our runtime (`load_any_head`) reads it back exactly.
+
+The EAGLE-1 head cannot be written here (no enorm/hnorm/input_layernorm/final norm to put in those slots, and
+`eh_proj` has no bias: its fc.bias would be lost); a head with more than one layer neither (one MTP module = one
+block).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from mtp_train.errors import UserError
+from mtp_train.export.base import ExportFormat
+from mtp_train.export.common import (
+    BLOCK_KEY,
+    LayerShape,
+    engine_config_from_target,
+    mtp_train_block,
+)
+from mtp_train.heads.config import HeadConfig
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.weight$")
+_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
+
+
+class DeepSeekMTPFormat(ExportFormat):
+    name = "deepseek-mtp"
+    kinds = ("mtp",)
+    frozen_in_file = True
+    description = "DeepSeek-V3 MTP layout (vLLM deepseek_mtp.py / SGLang deepseek_nextn.py naming)"
+
+    def refuse_reason(self, head_config: HeadConfig, target) -> str | None:
+        if head_config.kind != "mtp":
+            return (
+                "an eagle1 head cannot be written as deepseek-mtp: the layout's enorm, hnorm, input_layernorm and "
+                "shared_head.norm would be norms the head does not have, and eh_proj has no bias, so fc.bias would be "
+                "lost; use --format eagle, speculators or native"
+            )
+        if head_config.num_layers != 1:
+            return (
+                f"the head has {head_config.num_layers} decoder layers; a DeepSeek MTP module holds exactly one block "
+                "(num_nextn_predict_layers counts chained modules, each with its own enorm/hnorm/eh_proj), so layers "
+                "1.. would be lost; use --format native"
+            )
+        return None
+
+    def build(self, state, head_config, target, dtype, options):
+        L = target.config.num_hidden_layers
+        prefix = f"model.layers.{L}."
+        embed, lm_head = target.frozen_tensors()
+        tensors = {}
+        for name, tensor in state.items():
+            if name in _OWN:
+                tensors[prefix + name] = tensor
+            elif name == "norm.weight":
+                tensors[prefix + "shared_head.norm.weight"] = tensor
+            elif name.startswith("layers.0."):
+                tensors[prefix + name[len("layers.0.") :]] = tensor
+            else:  # pragma: no cover - refuse_reason guarantees an mtp head with one layer
+                raise AssertionError(name)
+        tensors[prefix + "embed_tokens.weight"] = embed
+        tensors[prefix + "shared_head.head.weight"] = lm_head
+        tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
+        config = engine_config_from_target(target, dtype)
+        config["num_nextn_predict_layers"] = 1
+        config[BLOCK_KEY] = mtp_train_block(
+            self.name,
+            head_config,
+            mtp_layer_ids=[L],
+            frozen_tensors_in_file=[prefix + "embed_tokens.weight", prefix + "shared_head.head.weight"],
+            engine_support=(
+                "layout of DeepSeek-V3's MTP module with this target's decoder block; vLLM DeepSeekMTP and SGLang "
+                "DeepseekV3ForCausalLMNextN build an MLA/MoE block and cannot load it; mtp_train load_any_head can"
+            ),
+        )
+        return tensors, {"config.json": config}
+
+    # ---- reading back ---------------------------------------------------------------------------------------------
+
+    def detect(self, config, names, directory):
+        return "num_nextn_predict_layers" in config or any(_LAYER_NAME.match(n) for n in names)
+
+    def required_fields(self, config):
+        return [
+            "architectures",
+            "model_type",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+            "rms_norm_eps",
+            "num_hidden_layers",
+            "num_nextn_predict_layers",
+            f"{BLOCK_KEY}.head_config",
+            f"{BLOCK_KEY}.hidden_state_input",
+        ]
+
+    def expected_tensors(self, config, directory):
+        shape = LayerShape.from_hf_dict(config, str(directory / "config.json"))
+        n = int(config["num_nextn_predict_layers"])
+        L0 = int(config["num_hidden_layers"])
+        d, V = shape.hidden_size, shape.vocab_size
+        out: dict[str, tuple[int, ...]] = {}
+        for L in range(L0, L0 + n):
+            p = f"model.layers.{L}."
+            out[p + "embed_tokens.weight"] = (V, d)
+            out[p + "enorm.weight"] = (d,)
+            out[p + "hnorm.weight"] = (d,)
+            out[p + "eh_proj.weight"] = (d, 2 * d)
+            for suffix, dims in shape.block_tensors(with_input_norm=True).items():
+                out[p + suffix] = dims
+            out[p + "shared_head.norm.weight"] = (d,)
+            out[p + "shared_head.head.weight"] = (V, d)
+        return out
+
+    def target_problems(self, config, target):
+        source = "config.json"
+        problems = self.common_target_problems(config, target, source)
+        for key in ("hidden_size", "vocab_size", "model_type"):
+            if config.get(key) != getattr(target, key):
+                problems.append(f"{source}: {key}={config.get(key)!r} but the target has {key}={getattr(target, key)!r}")
+        if config.get("num_hidden_layers") != target.num_hidden_layers:
+            problems.append(
+                f"{source}: num_hidden_layers={config.get('num_hidden_layers')!r} (the MTP layer id) but the target has "
+                f"{target.num_hidden_layers} layers"
+            )
+        if target.architectures and config.get("architectures") != target.architectures:
+            problems.append(
+                f"{source}: architectures={config.get('architectures')!r} but the target has {target.architectures!r}"
+            )
+        return problems
+
+    def to_native(self, tensors, config, directory):
+        source = directory / "config.json"
+        if int(config["num_nextn_predict_layers"]) != 1:
+            raise UserError(
+                f"{source}: num_nextn_predict_layers={config['num_nextn_predict_layers']}; a DraftHead holds one MTP module"
+            )
+        head_config = self.head_config_of(config, str(source))
+        if head_config.kind != "mtp" or head_config.num_layers != 1:
+            raise UserError(
+                f"{source}: {BLOCK_KEY}.head_config says kind={head_config.kind!r}, num_layers={head_config.num_layers}; "
+                "a deepseek-mtp export holds an mtp head with one layer"
+            )
+        prefix = f"model.layers.{int(config['num_hidden_layers'])}."
+        native: dict[str, Any] = {}
+        frozen = {}
+        for name, tensor in tensors.items():
+            if not name.startswith(prefix):
+                raise UserError(f"{directory / 'model.safetensors'}: unexpected tensor {name}")
+            rest = name[len(prefix) :]
+            if rest in _OWN:
+                native[rest] = tensor
+            elif rest == "shared_head.norm.weight":
+                native["norm.weight"] = tensor
+            elif rest == "embed_tokens.weight":
+                frozen["embed_tokens"] = tensor
+            elif rest == "shared_head.head.weight":
+                frozen["lm_head"] = tensor
+            else:
+                native["layers.0." + rest] = tensor
+        return native, head_config, frozen
