@@ -171,5 +171,16 @@ class ExportFormat:
         return []
 
 
+def layer_shape_problems(config: dict, target, source: str) -> list[str]:
+    try:
+        shape = LayerShape.from_hf_dict(config, source)
+    except UserError as err:
+        return [str(err)]
+    ours, theirs = shape.to_dict(), target.shape.to_dict()
+    ours["model_type"] = theirs["model_type"]  # compared separately (an engine config may rename it)
+    diff = sorted(k for k in ours if ours[k] != theirs[k])
+    return [f"{source}: layer shape differs from the target's in {', '.join(diff)}"] if diff else []
+
+
 def dtype_name(tensor: torch.Tensor) -> str:
     return DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))

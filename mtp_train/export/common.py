@@ -344,6 +344,9 @@ def write_directory(out: Path, files: dict[str, bytes], overwrite: bool) -> Path
     out.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temp, 0o777 & ~umask)  # mkdtemp makes it 0700; the export is an ordinary directory
         for name, data in files.items():
             with open(temp / name, "wb") as stream:
                 stream.write(data)

@@ -49,7 +49,7 @@ import re
 from typing import Any
 
 from mtp_train.errors import UserError
-from mtp_train.export.base import ExportFormat
+from mtp_train.export.base import ExportFormat, layer_shape_problems
 from mtp_train.export.common import (
     BLOCK_KEY,
     LayerShape,
@@ -168,6 +168,7 @@ class DeepSeekMTPFormat(ExportFormat):
             problems.append(
                 f"{source}: architectures={config.get('architectures')!r} but the target has {target.architectures!r}"
             )
+        problems += layer_shape_problems(config, target, source)
         return problems
 
     def to_native(self, tensors, config, directory):

@@ -32,7 +32,7 @@ sliding-window Mistral head too (the engines' Llama block attends without the wi
 from __future__ import annotations
 
 from mtp_train.errors import UserError
-from mtp_train.export.base import ExportFormat
+from mtp_train.export.base import ExportFormat, layer_shape_problems
 from mtp_train.export.common import (
     BLOCK_KEY,
     MTP_NORMS_LOST,
@@ -60,17 +60,6 @@ def block_refusal(config, format_name: str, supported: dict[str, str]) -> str | 
             f"in format {format_name} has no window, so the head's attention pattern would be lost; use --format native"
         )
     return None
-
-
-def layer_shape_problems(config: dict, target, source: str) -> list[str]:
-    try:
-        shape = LayerShape.from_hf_dict(config, source)
-    except UserError as err:
-        return [str(err)]
-    ours, theirs = shape.to_dict(), target.shape.to_dict()
-    ours["model_type"] = theirs["model_type"]  # compared separately (an engine config may rename it)
-    diff = sorted(k for k in ours if ours[k] != theirs[k])
-    return [f"{source}: layer shape differs from the target's in {', '.join(diff)}"] if diff else []
 
 
 class EagleFormat(ExportFormat):

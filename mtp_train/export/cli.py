@@ -1,0 +1,89 @@
+"""Subcommands `mtp-train export` and `mtp-train inspect`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from mtp_train.export import FORMAT_NAMES
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="write a trained head for a serving engine (native | deepseek-mtp | eagle | speculators)",
+        description="Convert a native head directory (model.safetensors + head_config.json) into one serving "
+        "format. Formats: native (our runtime), deepseek-mtp (DeepSeek-V3 MTP layout; MTP heads), eagle (EAGLE-1 "
+        "layout, SGLang; EAGLE-1 heads), speculators (vLLM speculators 'eagle'; EAGLE-1 heads). A head a format "
+        "cannot represent is refused with what would be lost. See docs/export.md.",
+    )
+    p.add_argument("--head", required=True, help="the head directory (a run's head/ or a save_head output)")
+    p.add_argument("--format", required=True, help=f"one of: {', '.join(FORMAT_NAMES)}")
+    p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --overwrite)")
+    p.add_argument("--target", default=None, help="the target model directory the head was trained for (required)")
+    p.add_argument(
+        "--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: the head's stored dtype"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=3, help="speculators: proposal_methods[0].speculative_tokens"
+    )
+    p.add_argument(
+        "--verifier-name",
+        default=None,
+        help="speculators: verifier.name_or_path to record (default: the --target path)",
+    )
+    p.set_defaults(func=run_export)
+
+    i = subparsers.add_parser(
+        "inspect",
+        help="detect an exported head's format and check its tensors and config (exit 1 on any problem)",
+        description="List the tensors (name, shape, dtype) of an exported head, detect its format, and check names, "
+        "shapes and required config fields against the format (and against --target: hidden size, vocabulary, "
+        "architecture, fingerprint). Exits 1 naming every missing/unexpected tensor or field.",
+    )
+    i.add_argument("directory", help="an export directory")
+    i.add_argument("--target", default=None, help="also check against this target model directory")
+    i.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    i.set_defaults(func=run_inspect)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from mtp_train.export.exporter import export_head
+
+    out = export_head(
+        args.head,
+        args.format,
+        args.out,
+        args.target,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        num_speculative_tokens=args.num_speculative_tokens,
+        verifier_name=args.verifier_name,
+    )
+    print(f"wrote {args.format} export to {out}")
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from mtp_train.export.common import TargetInfo
+    from mtp_train.export.inspection import format_report, inspect_dir
+
+    target = TargetInfo(args.target) if args.target else None
+    report = inspect_dir(args.directory, target)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "directory": str(report.directory),
+                    "format": report.format,
+                    "tensors": {k: {"shape": list(s), "dtype": d} for k, (s, d) in sorted(report.tensors.items())},
+                    "problems": report.problems,
+                    "ok": report.ok,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(format_report(report))
+    return 0 if report.ok else 1

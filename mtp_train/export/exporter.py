@@ -1,0 +1,79 @@
+"""`export_head`: a native head directory -> one serving format, written atomically."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from mtp_train.errors import UserError
+from mtp_train.export.common import (
+    WEIGHTS_FILENAME,
+    TargetInfo,
+    check_out_dir,
+    json_bytes,
+    parse_dtype,
+    read_native_head,
+    safetensors_bytes,
+    write_directory,
+)
+from mtp_train.export.registry import get_format
+
+log = logging.getLogger(__name__)
+
+
+def export_head(
+    head_dir: str | os.PathLike[str],
+    format_name: str,
+    out: str | os.PathLike[str],
+    target_dir: str | os.PathLike[str] | None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    num_speculative_tokens: int = 3,
+    verifier_name: str | None = None,
+) -> Path:
+    """Write the head saved at `head_dir` (by `heads.save_head`) as `format_name` into `out`.
+
+    `target_dir`: the target the head was trained for. Every format needs it: it is checked against the head (hidden
+    size, vocabulary, architecture, fingerprint), it supplies the layer config written to config.json, and for
+    deepseek-mtp the frozen embed_tokens / lm_head tensors. `dtype`: bfloat16 | float16 | float32 (default: the
+    head's stored dtype). The output is built in a temporary sibling directory and renamed into place."""
+    fmt = get_format(format_name)
+    if num_speculative_tokens < 1:
+        raise UserError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    torch_dtype = parse_dtype(dtype)
+    head_dir, out = Path(head_dir), Path(out)
+    if target_dir is None:
+        needs = "the layer config written to config.json and the check of the head against its target"
+        if fmt.frozen_in_file:
+            needs += ", and the target's embed_tokens / lm_head, which this layout stores"
+        raise UserError(f"--target DIR is required for --format {fmt.name}: it supplies {needs}")
+    check_out_dir(out, overwrite, [head_dir, Path(target_dir)])
+
+    target = TargetInfo(target_dir)
+    state, head_config = read_native_head(head_dir, target)
+    reason = fmt.refuse_reason(head_config, target)
+    if reason:
+        raise UserError(f"cannot export {head_dir} ({head_config.kind} head) as {fmt.name}: {reason}")
+    stored = {tensor.dtype for tensor in state.values()}
+    if torch_dtype is None:
+        if len(stored) != 1:
+            raise UserError(f"{head_dir / WEIGHTS_FILENAME}: mixed dtypes {sorted(map(str, stored))}; pass --dtype")
+        torch_dtype = stored.pop()
+
+    tensors, json_files = fmt.build(
+        state,
+        head_config,
+        target,
+        torch_dtype,
+        {"num_speculative_tokens": num_speculative_tokens, "verifier_name": verifier_name},
+    )
+    expected = fmt.expected_tensors(json_files["config.json"], out)
+    got = {name: tuple(t.shape) for name, t in tensors.items()}
+    assert got == expected, f"format {fmt.name} wrote {sorted(got.items())}, its checks expect {sorted(expected.items())}"
+
+    files = {WEIGHTS_FILENAME: safetensors_bytes(tensors, {"mtp_train_format": fmt.name, "kind": head_config.kind})}
+    files.update({name: json_bytes(content) for name, content in json_files.items()})
+    write_directory(out, files, overwrite)
+    log.info("exported %s head %s as %s to %s (%d tensors)", head_config.kind, head_dir, fmt.name, out, len(tensors))
+    return out

@@ -1,0 +1,120 @@
+"""`inspect`: detect an exported directory's format, list its tensors, and check them and its config.json against the
+format's required names/shapes/fields (derived from the config alone) and, optionally, against a target."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from mtp_train.errors import UserError
+from mtp_train.export.base import BLOCK_KEY, Report, TargetView, missing_fields
+from mtp_train.export.common import CONFIG_FILENAME, WEIGHTS_FILENAME, read_safetensors_header
+from mtp_train.export.native import read_json
+from mtp_train.export.registry import FORMATS
+
+# Heuristic detection order when the config does not name its format (native first: it may hold any names).
+_DETECT_ORDER = ("native", "speculators", "deepseek-mtp", "eagle")
+
+
+def detect_format(directory: Path, config: dict[str, Any], names: set[str]) -> str | None:
+    block = config.get(BLOCK_KEY)
+    if isinstance(block, dict) and block.get("format") in FORMATS:
+        return block["format"]
+    for name in _DETECT_ORDER:
+        if FORMATS[name].detect(config, names, directory):
+            return name
+    return None
+
+
+def inspect_dir(directory: str | os.PathLike[str], target: Any = None) -> Report:
+    """Check `directory` (an export). `target`: a `TargetInfo`, a loaded `CausalLM`, or None. Unreadable input (no
+    directory, no config.json, invalid JSON or safetensors) raises UserError; everything else lands in
+    `Report.problems`."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"{directory}: directory not found")
+    config_path, weights_path = directory / CONFIG_FILENAME, directory / WEIGHTS_FILENAME
+    if not config_path.is_file():
+        raise UserError(f"{config_path}: not found (an export holds config.json and {WEIGHTS_FILENAME})")
+    config = read_json(config_path)
+    tensors = read_safetensors_header(weights_path)
+    report = Report(directory=directory, format=None, config=config, tensors=tensors)
+
+    fmt_name = detect_format(directory, config, set(tensors))
+    if fmt_name is None:
+        report.problems.append(
+            f"{directory}: format not recognized (expected one of {', '.join(FORMATS)}: a config.json with "
+            f"{BLOCK_KEY}.format, or the names of one of them)"
+        )
+        return report
+    report.format = fmt_name
+    fmt = FORMATS[fmt_name]
+
+    missing = missing_fields(config, fmt.required_fields(config))
+    for name in missing:
+        report.problems.append(f"{config_path}: missing config field {name} (required by format {fmt_name})")
+    if missing:
+        return report
+    try:
+        report.expected = fmt.expected_tensors(config, directory)
+    except (UserError, TypeError, ValueError) as err:
+        report.problems.append(f"{config_path}: {err}")
+        return report
+
+    for name in sorted(report.expected.keys() - tensors.keys()):
+        report.problems.append(f"{weights_path}: missing tensor {name} (expected shape {list(report.expected[name])})")
+    for name in sorted(tensors.keys() - report.expected.keys()):
+        report.problems.append(f"{weights_path}: unexpected tensor {name} (not part of format {fmt_name})")
+    for name in sorted(tensors.keys() & report.expected.keys()):
+        shape = tensors[name][0]
+        if shape != report.expected[name]:
+            report.problems.append(
+                f"{weights_path}: tensor {name} has shape {list(shape)}, config.json implies {list(report.expected[name])}"
+            )
+    report.problems += fmt.dtype_problems(config, tensors, "torch_dtype", str(config_path))
+    report.problems += fmt.extra_problems(config, directory)
+    if target is not None:
+        report.problems += [f"{directory}: {p}" for p in fmt.target_problems(config, TargetView.of(target))]
+    return report
+
+
+def format_report(report: Report) -> str:
+    """A human-readable table of the report."""
+    lines = [f"{report.directory}: format {report.format or 'unknown'}"]
+    if report.format:
+        lines[0] += f" ({FORMATS[report.format].description})"
+    rows = []
+    for name in sorted(set(report.tensors) | set(report.expected)):
+        if name in report.tensors:
+            shape, dtype = report.tensors[name]
+            if name not in report.expected:
+                status = "UNEXPECTED" if report.expected else "-"
+            elif report.expected[name] != shape:
+                status = f"SHAPE != {list(report.expected[name])}"
+            else:
+                status = "ok"
+            rows.append((name, str(list(shape)), dtype, status))
+        else:
+            rows.append((name, str(list(report.expected[name])), "-", "MISSING"))
+    headers = ("tensor", "shape", "dtype", "status")
+    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) if rows else len(headers[i]) for i in range(4)]
+    fmt_row = "  ".join("{:<%d}" % w for w in widths)
+    lines.append("  " + fmt_row.format(*headers))
+    lines.append("  " + "  ".join("-" * w for w in widths))
+    lines += ["  " + fmt_row.format(*row) for row in rows]
+    total = sum(_numel(shape) for shape, _ in report.tensors.values())
+    lines.append(f"  {len(report.tensors)} tensors, {total:,} parameters")
+    if report.problems:
+        lines.append(f"{len(report.problems)} problem(s):")
+        lines += [f"  - {p}" for p in report.problems]
+    else:
+        lines.append("ok: names, shapes, dtypes and config fields match the format")
+    return "\n".join(lines)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

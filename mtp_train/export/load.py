@@ -1,0 +1,83 @@
+"""`load_any_head`: any exported format back into a `DraftHead` over a loaded target.
+
+The directory is first checked like `mtp-train inspect --target` (names, shapes, config fields, target), then its
+tensors are mapped back to DraftHead's names. Frozen tensors stored in the file (deepseek-mtp's embed_tokens and
+shared_head.head) must equal the target's; the head itself always reads the target's own."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.export.common import (
+    WEIGHTS_FILENAME,
+    check_head_config_against_target,
+    check_native_state,
+    read_safetensors,
+)
+from mtp_train.export.inspection import inspect_dir
+from mtp_train.export.registry import FORMATS
+from mtp_train.heads.draft_head import DraftHead
+from mtp_train.runtime.model import CausalLM
+
+
+def _same_values(stored: torch.Tensor, own: torch.Tensor) -> bool:
+    if stored.shape != own.shape:
+        return False
+    own = own.detach().to("cpu")
+    if stored.dtype == own.dtype:
+        return torch.equal(stored, own)
+    if stored.element_size() != own.element_size():  # compare in the narrower dtype (the one that was rounded to)
+        narrow = stored.dtype if stored.element_size() < own.element_size() else own.dtype
+        return torch.equal(stored.to(narrow), own.to(narrow))
+    return torch.allclose(stored.float(), own.float(), rtol=1e-2, atol=1e-2)  # bfloat16 vs float16
+
+
+def load_any_head(
+    directory: str | os.PathLike[str], target: CausalLM, dtype: torch.dtype | None = None
+) -> DraftHead:
+    """Load the head exported at `directory` (any format) over `target`, on the target's device, in `dtype`
+    (default: the dtype stored in the file, so a round trip reproduces the original head bit for bit)."""
+    directory = Path(directory)
+    report = inspect_dir(directory, target)
+    if report.problems:
+        raise UserError(
+            f"{directory}: not a loadable {report.format or 'export'} for this target: " + "; ".join(report.problems)
+        )
+    fmt = FORMATS[report.format]
+    weights = directory / WEIGHTS_FILENAME
+    tensors = read_safetensors(weights)
+    native, head_config, frozen = fmt.to_native(tensors, report.config, directory)
+    check_head_config_against_target(head_config, target.config, target.fingerprint, str(directory / "config.json"))
+
+    own = {"embed_tokens": target.model.embed_tokens.weight, "lm_head": target.lm_head.weight}
+    for key, stored in frozen.items():
+        if not _same_values(stored, own[key]):
+            raise UserError(
+                f"{weights}: the stored {key} differs from the target's (exported for a different target, or the "
+                "target's weights changed)"
+            )
+
+    with torch.device("meta"):
+        head = DraftHead(target.config, head_config, target.model.embed_tokens, target.lm_head, target.backend)
+    expected = head.state_dict()
+    check_native_state(
+        {k: tuple(v.shape) for k, v in native.items()},
+        head_config,
+        _shape_of(target),
+        str(weights),
+    )
+    assert native.keys() == expected.keys()
+    head.load_state_dict(
+        {k: v.to(device=target.device, dtype=dtype or v.dtype) for k, v in native.items()}, assign=True
+    )
+    return head
+
+
+def _shape_of(target: CausalLM):
+    from mtp_train.export.base import TargetView
+
+    return TargetView.of(target).shape
