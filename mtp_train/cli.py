@@ -22,6 +22,8 @@ STAGE_MODULES = [
     "mtp_train.data.prepare",
     "mtp_train.features.cli",
     "mtp_train.train.cli",
+    "mtp_train.evaluate.cli",
+    "mtp_train.export.cli",
 ]
 
 

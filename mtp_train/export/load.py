@@ -39,9 +39,13 @@ def _same_values(stored: torch.Tensor, own: torch.Tensor) -> bool:
 def load_any_head(
     directory: str | os.PathLike[str], target: CausalLM, dtype: torch.dtype | None = None
 ) -> DraftHead:
-    """Load the head exported at `directory` (any format) over `target`, on the target's device, in `dtype`
+    """Load the head at `directory` (a trainer's `head/` or any exported format) over `target`, on its device, in `dtype`
     (default: the dtype stored in the file, so a round trip reproduces the original head bit for bit)."""
     directory = Path(directory)
+    if (directory / "head_config.json").is_file() and not (directory / "config.json").is_file():
+        from mtp_train.heads.io import load_head
+
+        return load_head(directory, target, dtype=dtype)  # a trainer's head/ dir (save_head output)
     report = inspect_dir(directory, target)
     if report.problems:
         raise UserError(

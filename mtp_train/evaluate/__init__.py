@@ -1,0 +1,1 @@
+"""Acceptance evaluation through the speculative inference path: prompts, runs, reports, plots, comparisons."""

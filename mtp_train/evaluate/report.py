@@ -1,0 +1,109 @@
+"""Evaluation reports: report.json (everything), report.md (tables) and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mtp_train.evaluate.runner import MethodTotals
+
+
+def build_report(totals: dict[str, dict[str, MethodTotals]], meta: dict[str, Any]) -> dict[str, Any]:
+    plain = totals["plain"]
+    categories = sorted(c for c in plain if c != "all")
+    report: dict[str, Any] = {**meta, "overall": {}, "per_category": {}}
+    for method, by_category in totals.items():
+        report["overall"][method] = by_category["all"].summary(plain["all"] if method != "plain" else None)
+        for category in categories:
+            if category in by_category:
+                report["per_category"].setdefault(category, {})[method] = by_category[category].summary(
+                    plain.get(category) if method != "plain" else None
+                )
+    speculative = {m: r for m, r in report["overall"].items() if m != "plain"}
+    if speculative:
+        best = max(speculative, key=lambda m: speculative[m].get("speedup", 0.0))
+        report["best"] = {"method": best, **speculative[best]}
+    return report
+
+
+def _row(cells: list[Any]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def write_markdown(report: dict[str, Any], path: Path) -> None:
+    lines = [f"# Speculative decoding evaluation: {report.get('name', '')}", ""]
+    lines.append(f"- target: `{report['target']}`")
+    lines.append(f"- draft: `{report['draft']}` ({report['draft_kind']})")
+    lines.append(f"- prompts: {report['prompts']} ({report['num_prompts']} used, {len(report['skipped'])} skipped)")
+    lines.append(f"- settings: {report['settings']}")
+    lines += ["", "## Overall", ""]
+    lines.append(_row(["method", "τ (tokens/target fwd)", "α", "acceptance by position", "tokens/s", "speedup",
+                       "greedy match"]))
+    lines.append(_row(["---"] * 7))
+    for method, r in report["overall"].items():
+        lines.append(_row([
+            method, f"{r['tau']:.3f}", f"{r['alpha']:.3f}" if "alpha" in r else "",
+            ", ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", [])),
+            f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}×" if "speedup" in r else "1.00×",
+            ("yes" if r["greedy_match"] else f"no ({r['matched_turns']}/{r['turns']})") if "greedy_match" in r else "",
+        ]))
+    if report["per_category"]:
+        lines += ["", "## Per category (τ / speedup)", ""]
+        methods = list(report["overall"])
+        lines.append(_row(["category", *methods]))
+        lines.append(_row(["---"] * (len(methods) + 1)))
+        for category, by_method in report["per_category"].items():
+            cells = []
+            for m in methods:
+                r = by_method.get(m)
+                cells.append("" if r is None else f"{r['tau']:.2f} / {r.get('speedup', 1.0):.2f}×")
+            lines.append(_row([category, *cells]))
+    if report["skipped"]:
+        lines += ["", "## Skipped prompts", ""] + [f"- {s}" for s in report["skipped"][:50]]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    speculative = {m: r for m, r in report["overall"].items() if "acceptance_per_position" in r}
+    if speculative:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for method, r in speculative.items():
+            rates = r["acceptance_per_position"]
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=method)
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance rate (unconditional)")
+        ax.set_ylim(0, 1)
+        ax.set_title("Acceptance by position")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out_dir / "acceptance_by_position.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    categories = list(report["per_category"]) or ["all"]
+    methods = list(report["overall"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) + 2), 4))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        values = [
+            (report["per_category"].get(c, {}).get(method) or report["overall"][method] if c == "all" else
+             report["per_category"][c].get(method, {"tau": 0}))["tau"]
+            for c in categories
+        ]
+        ax.bar([j + i * width for j in range(len(categories))], values, width, label=method)
+    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(categories))], categories, rotation=30,
+                  ha="right")
+    ax.set_ylabel("τ (tokens per target forward)")
+    ax.set_title("τ by category")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "tau_by_category.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths

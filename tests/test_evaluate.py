@@ -1,0 +1,67 @@
+"""`mtp-train eval`: reports from the speculative path on MT-bench-format prompts and the held-out split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.evaluate.cli import evaluate
+from mtp_train.evaluate.prompts import load_mt_bench
+from mtp_train.heads import DraftHead, HeadConfig, save_head
+from mtp_train.recipe import load_recipe
+from mtp_train.runtime.loader import load_model
+from tests.pipeline_fixtures import tiny_pipeline
+
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m-mtp.yaml"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    recipe, overrides = tiny_pipeline(root, num_conversations=40)
+    target = load_model(recipe.target.path, dtype="float32", device="cpu")
+    torch.manual_seed(0)
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, target.fingerprint, kind="mtp"))
+    save_head(head, root / "head")
+    prompts = root / "prompts.jsonl"
+    rows = [
+        {"question_id": 1, "category": "writing", "turns": ["hello world", "the model drafts tokens"]},
+        {"question_id": 2, "category": "coding", "turns": ["python code data cache"]},
+        {"question_id": 3, "category": "coding"},  # no turns: skipped and counted
+        "not json",
+    ]
+    prompts.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return root, recipe, prompts
+
+
+def test_eval_report_on_mt_bench_prompts(setup):
+    root, recipe, prompts = setup
+    out = root / "report-mt"
+    report = evaluate(recipe, root / "head", None, prompts, None, [1, 3], 12, out, show_progress=False)
+    assert report["num_prompts"] == 2 and len(report["skipped"]) == 2
+    assert any(":3: no 'turns'" in s for s in report["skipped"]) and any("invalid JSON" in s for s in report["skipped"])
+    overall = report["overall"]
+    assert set(overall) == {"plain", "mtp@k=1", "mtp@k=3"}
+    for method in ("mtp@k=1", "mtp@k=3"):
+        r = overall[method]
+        assert r["greedy_match"] is True  # greedy speculative == plain greedy, every turn
+        assert r["turns"] == 3  # 2 turns + 1 turn
+        assert 1.0 <= r["tau"] <= int(method[-1]) + 1
+        assert len(r["acceptance_per_position"]) == int(method[-1]) and "speedup" in r
+    assert set(report["per_category"]) == {"writing", "coding"}
+    for name in ("report.json", "report.md", "acceptance_by_position.png", "tau_by_category.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0
+    markdown = (out / "report.md").read_text()
+    assert "| mtp@k=3 |" in markdown and "## Per category" in markdown
+
+
+def test_eval_on_heldout_split_and_errors(setup):
+    root, recipe, _ = setup
+    report = evaluate(recipe, root / "head", None, None, 3, [2], 8, root / "report-heldout", show_progress=False)
+    assert report["num_prompts"] == 3 and report["overall"]["mtp@k=2"]["greedy_match"]
+    with pytest.raises(UserError, match="prompts file not found"):
+        load_mt_bench(root / "missing.jsonl")
