@@ -29,12 +29,18 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     draft = p.add_mutually_exclusive_group()
-    draft.add_argument("--head", default=None, metavar="DIR", help="decode speculatively with this draft head (MTP chain)")
+    draft.add_argument(
+        "--head", default=None, metavar="DIR", help="decode speculatively with this draft head (MTP chain)"
+    )
     draft.add_argument(
         "--draft", default=None, metavar="DIR", help="decode speculatively with this smaller model (same tokenizer)"
     )
     p.add_argument(
-        "--num-speculative-tokens", type=int, default=3, metavar="K", help="draft tokens per step with --head/--draft (1..8)"
+        "--num-speculative-tokens",
+        type=int,
+        default=3,
+        metavar="K",
+        help="draft tokens per step with --head/--draft (1..8, default 3)",
     )
     p.set_defaults(func=run_generate)
 
@@ -73,7 +79,13 @@ def run_generate(args: argparse.Namespace) -> int:
     on_tokens = (lambda _i, ids: streamer.push(ids)) if streamer else None
     if draft is None:
         results, stats = generate(
-            model, [prompt_ids], args.max_new_tokens, sampling, stop_token_ids=stops, seed=args.seed, on_tokens=on_tokens
+            model,
+            [prompt_ids],
+            args.max_new_tokens,
+            sampling,
+            stop_token_ids=stops,
+            seed=args.seed,
+            on_tokens=on_tokens,
         )
     else:
         from mtp_train.runtime.speculative import speculative_generate

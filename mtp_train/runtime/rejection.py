@@ -58,7 +58,8 @@ def rejection_sample(
     probability; a token the target gives probability 0 is never emitted."""
     k = int(draft_token_ids.shape[0])
     if target_probs.shape[0] != k + 1:
-        raise ValueError(f"expected target_probs of shape [{k + 1}, vocab] for {k} drafts, got {tuple(target_probs.shape)}")
+        shape = tuple(target_probs.shape)
+        raise ValueError(f"expected target_probs of shape [{k + 1}, vocab] for {k} drafts, got {shape}")
     if greedy:
         return greedy_accept(draft_token_ids, target_probs.argmax(-1))
     if draft_probs is None or draft_probs.shape != (k, target_probs.shape[1]):

@@ -221,8 +221,8 @@ class Proposer:
     ) -> list[DraftProposal]:
         """Draft `num_drafts[b]` tokens for request b (0 allowed), starting from the carried `draft_logits`."""
         batch_size = len(requests)
-        tokens: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
-        probs: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
+        tokens: list[list[int]] = [[] for _ in range(batch_size)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]  # [vocab] rows
         rows = [b for b in range(batch_size) if num_drafts[b] > 0]  # requests drafting at this position
         if rows:
             logits = torch.stack([requests[b].draft_logits for b in rows])  # [m, vocab]
@@ -240,13 +240,15 @@ class Proposer:
             else:
                 step_probs = processed_probs(logits, sampling)  # [m, vocab]
                 drafted = sample_from_probs(step_probs, generator)  # [m]
+            drafted_ids = drafted.tolist()
+            prob_rows = step_probs.unbind(0) if step_probs is not None else None
             for i, b in enumerate(rows):
-                tokens[b].append(drafted[i])
-                if step_probs is not None:
-                    probs[b].append(step_probs[i])
+                tokens[b].append(drafted_ids[i])
+                if prob_rows is not None:
+                    probs[b].append(prob_rows[i])
         proposals = []
         for b in range(batch_size):
-            draft_token_ids = torch.stack(tokens[b]) if tokens[b] else torch.zeros(0, dtype=torch.long, device=self.device)
+            draft_token_ids = torch.tensor(tokens[b], dtype=torch.long, device=self.device)
             draft_probs = None
             if not sampling.greedy:
                 vocab = requests[b].draft_logits.shape[-1]
@@ -294,7 +296,8 @@ class MTPChainProposer(Proposer):
         return torch.stack([r.draft_hidden for r in requests])  # [m, d]
 
     def draft_step(self, requests, token_ids, state):
-        batch = BatchInfo.for_sequences([r.draft_view for r in requests], [1] * len(requests), self.allocator, self.device)
+        views = [r.draft_view for r in requests]
+        batch = BatchInfo.for_sequences(views, [1] * len(requests), self.allocator, self.device)
         out = self.head(token_ids, state, batch, self.kv_cache)  # [m, d]
         self.forwards += 1
         return self.head.logits(out), out
@@ -331,7 +334,8 @@ class TargetDraftProposer(Proposer):
             req.draft_logits = logits[b]
 
     def draft_step(self, requests, token_ids, state):
-        batch = BatchInfo.for_sequences([r.draft_view for r in requests], [1] * len(requests), self.allocator, self.device)
+        views = [r.draft_view for r in requests]
+        batch = BatchInfo.for_sequences(views, [1] * len(requests), self.allocator, self.device)
         logits = self.draft(token_ids, batch, self.kv_cache).logits  # [m, vocab]
         self.forwards += 1
         for req, token in zip(requests, token_ids.tolist()):
@@ -479,9 +483,8 @@ def speculative_generate(
             # Verify: [t_last, d_1..d_k] per sequence in one target forward.
             verify_lens = [k_b + 1 for k_b in num_drafts]
             batch = BatchInfo.for_sequences([r.target_view for r in active], verify_lens, allocator, device)
-            input_ids = torch.cat(
-                [torch.cat([torch.tensor(r.token_ids[-1:], device=device), p.draft_token_ids]) for r, p in zip(active, proposals)]
-            )
+            verify_ids = [[r.token_ids[-1], *p.draft_token_ids.tolist()] for r, p in zip(active, proposals)]
+            input_ids = torch.tensor([t for ids in verify_ids for t in ids], device=device)  # [sum(k_b + 1)]
             out = target(input_ids, batch, target_cache, return_hidden=True)  # logits [sum(k_b + 1), vocab]
             stats.target_forwards += 1
             stats.target_sequence_forwards += len(active)

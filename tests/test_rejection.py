@@ -1,0 +1,188 @@
+"""The rejection sampler alone (`runtime/rejection.py`): greedy verification, the accept rule, the residual and bonus
+distributions, and a χ² test that it is lossless.
+
+Statistical tests draw from a seeded generator, so they are deterministic. A χ² goodness-of-fit test fails when its
+p-value is below `P_VALUE_THRESHOLD` = 1e-3: a correct sampler fails a given seed with probability 1e-3, while the
+sample sizes below make real biases (e.g. sampling the correction from p instead of norm(max(0, p - q))) give
+p-values far below 1e-10.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp_train.runtime.rejection import greedy_accept, rejection_sample
+
+P_VALUE_THRESHOLD = 1e-3
+
+
+def chi2_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson χ² goodness-of-fit p-value of observed `counts` [C] against cell probabilities `probs` [C].
+
+    Cells expected to hold fewer than `min_expected` observations are pooled into one cell (the usual validity
+    condition of the χ² approximation). An observation in a zero-probability cell gives p-value 0."""
+    counts = counts.double().flatten()
+    probs = probs.double().flatten()
+    probs = probs / probs.sum()
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    total = counts.sum()
+    expected = probs * total
+    small = expected < min_expected
+    observed_cells = counts[~small]
+    expected_cells = expected[~small]
+    if small.any() and expected[small].sum() > 0:
+        observed_cells = torch.cat([observed_cells, counts[small].sum()[None]])
+        expected_cells = torch.cat([expected_cells, expected[small].sum()[None]])
+    statistic = ((observed_cells - expected_cells) ** 2 / expected_cells).sum()
+    dof = observed_cells.numel() - 1
+    if dof < 1:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
+
+
+def test_chi2_helper_accepts_a_fair_sample_and_rejects_a_biased_one():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    fair = torch.bincount(torch.multinomial(probs, 4000, replacement=True, generator=gen), minlength=4)
+    assert chi2_p_value(fair, probs) > P_VALUE_THRESHOLD
+    biased = torch.bincount(
+        torch.multinomial(torch.tensor([0.45, 0.35, 0.15, 0.05]), 4000, replacement=True, generator=gen), minlength=4
+    )
+    assert chi2_p_value(biased, probs) < P_VALUE_THRESHOLD
+    assert chi2_p_value(torch.tensor([10, 0, 1]), torch.tensor([0.5, 0.5, 0.0])) == 0.0
+
+
+# ---- greedy -------------------------------------------------------------------------------------------------------
+
+
+def test_greedy_accepts_the_matching_prefix_then_emits_the_target_choice():
+    drafts = torch.tensor([3, 1, 2])
+    result = greedy_accept(drafts, torch.tensor([3, 1, 0, 5]))
+    assert (result.accepted_len, result.token_ids) == (2, [3, 1, 0])
+    result = greedy_accept(drafts, torch.tensor([4, 1, 2, 5]))  # first draft wrong: later matches do not count
+    assert (result.accepted_len, result.token_ids) == (0, [4])
+    result = greedy_accept(drafts, torch.tensor([3, 1, 2, 5]))  # all accepted: bonus = the target's last choice
+    assert (result.accepted_len, result.token_ids) == (3, [3, 1, 2, 5])
+    result = greedy_accept(torch.zeros(0, dtype=torch.long), torch.tensor([7]))  # no drafts: a plain decode step
+    assert (result.accepted_len, result.token_ids) == (0, [7])
+    with pytest.raises(ValueError, match="expected 4 target positions"):
+        greedy_accept(drafts, torch.tensor([3, 1, 2]))
+
+
+def test_greedy_mode_of_rejection_sample_uses_argmax_and_no_random_numbers():
+    # Hand-made target distributions: argmax per position = 2, 0, 3.
+    target_probs = torch.tensor([[0.1, 0.2, 0.6, 0.1], [0.5, 0.2, 0.2, 0.1], [0.1, 0.1, 0.3, 0.5]])
+    gen = torch.Generator().manual_seed(123)
+    state = gen.get_state()
+    result = rejection_sample(torch.tensor([2, 0]), None, target_probs, gen, greedy=True)
+    assert (result.accepted_len, result.token_ids) == (2, [2, 0, 3])
+    result = rejection_sample(torch.tensor([2, 1]), None, target_probs, gen, greedy=True)
+    assert (result.accepted_len, result.token_ids) == (1, [2, 0])
+    assert torch.equal(gen.get_state(), state)
+
+
+# ---- sampling: the accept rule, residual and bonus -----------------------------------------------------------------
+
+
+def _draws(n: int, draft_token_ids, draft_probs, target_probs, seed: int = 0) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return [rejection_sample(draft_token_ids, draft_probs, target_probs, gen) for _ in range(n)]
+
+
+def test_sampling_accepts_when_target_gives_at_least_the_draft_probability():
+    draft_probs = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.2, 0.6]])
+    target_probs = torch.tensor([[0.6, 0.4, 0.0], [0.2, 0.2, 0.6], [0.0, 0.0, 1.0]])
+    # p(d_1) = 0.6 >= q = 0.5 and p(d_2) = 0.6 >= 0.6: always accepted; the bonus comes from p[2] (token 2 surely).
+    for result in _draws(50, torch.tensor([0, 2]), draft_probs, target_probs):
+        assert (result.accepted_len, result.token_ids) == (2, [0, 2, 2])
+
+
+def test_sampling_never_emits_a_token_the_target_rules_out():
+    draft_probs = torch.tensor([[0.7, 0.3, 0.0]])
+    target_probs = torch.tensor([[0.0, 0.25, 0.75], [1.0, 0.0, 0.0]])
+    for result in _draws(200, torch.tensor([0]), draft_probs, target_probs):
+        assert result.accepted_len == 0 and result.token_ids[0] in (1, 2)
+
+
+def test_zero_draft_probability_is_handled():
+    # q(d) = 0 (cannot happen when d was sampled from q, but must not divide by zero): accept iff p(d) > 0.
+    target_probs = torch.tensor([[0.2, 0.8, 0.0], [0.0, 0.0, 1.0]])
+    result = rejection_sample(torch.tensor([1]), torch.tensor([[1.0, 0.0, 0.0]]), target_probs)
+    assert (result.accepted_len, result.token_ids) == (1, [1, 2])
+    # q(d) = 0 and p(d) = 0: rejected; the residual max(0, p - q) = [0, 0.8, 0] -> token 1.
+    result = rejection_sample(torch.tensor([2]), torch.tensor([[1.0, 0.0, 0.0]]), target_probs)
+    assert (result.accepted_len, result.token_ids) == (0, [1])
+    # p == q everywhere, the draft (q = p = 0) is rejected: residual max(0, p - q) has mass 0 -> falls back to p.
+    same = torch.tensor([[0.0, 1.0, 0.0]])
+    result = rejection_sample(torch.tensor([0]), same, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    assert (result.accepted_len, result.token_ids) == (0, [1])
+
+
+def test_shape_errors_name_the_expected_shape():
+    with pytest.raises(ValueError, match=r"target_probs of shape \[3, vocab\]"):
+        rejection_sample(torch.tensor([0, 1]), torch.full((2, 4), 0.25), torch.full((2, 4), 0.25))
+    with pytest.raises(ValueError, match=r"draft_probs of shape \[2, 4\]"):
+        rejection_sample(torch.tensor([0, 1]), None, torch.full((3, 4), 0.25))
+
+
+def test_rejection_emits_from_the_normalized_residual():
+    # p(d) = 0.1 < q(d) = 0.6: accepted with probability 1/6; on rejection the token follows
+    # norm(max(0, p - q)) = norm([0, 0.25, 0.15, 0.3, 0]) = [0, 5/14, 3/14, 6/14, 0].
+    draft_probs = torch.tensor([[0.6, 0.1, 0.1, 0.0, 0.2]])
+    target_probs = torch.tensor([[0.1, 0.35, 0.25, 0.3, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    results = _draws(6000, torch.tensor([0]), draft_probs, target_probs, seed=1)
+    rejected = [r.token_ids[0] for r in results if r.accepted_len == 0]
+    accept_rate = 1 - len(rejected) / len(results)
+    p_d = float(target_probs[0, 0])
+    assert abs(accept_rate - p_d / 0.6) < 0.03
+    residual = (target_probs[0] - draft_probs[0]).clamp(min=0)
+    counts = torch.bincount(torch.tensor(rejected), minlength=5)
+    assert counts[0] == 0 and counts[4] == 0  # the draft token itself and a p = 0 token never come from the residual
+    assert chi2_p_value(counts, residual / residual.sum()) > P_VALUE_THRESHOLD
+
+
+def test_bonus_token_follows_the_last_target_distribution():
+    draft_probs = torch.tensor([[0.5, 0.5, 0.0, 0.0]])
+    target_probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]])  # p == q: always accepted
+    results = _draws(4000, torch.tensor([1]), draft_probs, target_probs, seed=2)
+    assert all(r.accepted_len == 1 and r.token_ids[0] == 1 for r in results)
+    counts = torch.bincount(torch.tensor([r.token_ids[1] for r in results]), minlength=4)
+    assert chi2_p_value(counts, target_probs[1]) > P_VALUE_THRESHOLD
+
+
+# ---- losslessness ----------------------------------------------------------------------------------------------------
+
+
+def _random_distributions(rows: int, vocab: int, seed: int, sharpness: float = 2.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    probs = (torch.randn(rows, vocab, generator=gen) * sharpness).softmax(-1)
+    probs[:, -1] = 0  # a token the distributions rule out (as top-k / top-p do)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("num_drafts", [1, 3])
+def test_sampler_is_lossless_chi2(num_drafts):
+    """Draft tokens sampled from q, then verified: the first emitted token follows p[0], and the second (when the
+    first draft was accepted) follows p[1], whatever q is. 12,000 draws, χ² threshold 1e-3 (see module docstring)."""
+    vocab = 7
+    target_probs = _random_distributions(num_drafts + 1, vocab, seed=11)  # [k + 1, vocab], last token ruled out
+    # A draft that partly agrees with the target and also proposes the token the target rules out.
+    other = (torch.randn(num_drafts, vocab, generator=torch.Generator().manual_seed(10)) * 2).softmax(-1)
+    draft_probs = 0.4 * target_probs[:num_drafts] + 0.6 * other  # [k, vocab]
+    gen = torch.Generator().manual_seed(num_drafts)
+    first, second = [], []
+    accepted_total = 0
+    for _ in range(12000):
+        draft_token_ids = torch.multinomial(draft_probs, 1, generator=gen).squeeze(-1)  # [k]: d_j ~ q_j
+        result = rejection_sample(draft_token_ids, draft_probs, target_probs, gen)
+        assert len(result.token_ids) == result.accepted_len + 1
+        accepted_total += result.accepted_len
+        first.append(result.token_ids[0])
+        if len(result.token_ids) > 1:
+            second.append(result.token_ids[1])
+    # Both paths are exercised: some drafts are accepted, many rejected.
+    assert 0.1 < accepted_total / (12000 * num_drafts) < 0.9
+    assert chi2_p_value(torch.bincount(torch.tensor(first), minlength=vocab), target_probs[0]) > P_VALUE_THRESHOLD
+    assert chi2_p_value(torch.bincount(torch.tensor(second), minlength=vocab), target_probs[1]) > P_VALUE_THRESHOLD
