@@ -45,8 +45,9 @@ def test_eval_report_on_mt_bench_prompts(setup):
     assert report["num_prompts"] == 2 and len(report["skipped"]) == 2
     assert any(":3: no 'turns'" in s for s in report["skipped"]) and any("invalid JSON" in s for s in report["skipped"])
     overall = report["overall"]
-    assert set(overall) == {"plain", "mtp@k=1", "mtp@k=3"}
-    for method in ("mtp@k=1", "mtp@k=3"):
+    assert set(overall) == {"plain", "mtp@k=1", "mtp@k=3", "lookup@k=1", "lookup@k=3"}
+    assert report["best"]["method"].startswith("mtp@")
+    for method in ("mtp@k=1", "mtp@k=3", "lookup@k=1", "lookup@k=3"):
         r = overall[method]
         assert r["greedy_match"] is True  # greedy speculative == plain greedy, every turn
         assert r["turns"] == 3  # 2 turns + 1 turn
@@ -61,7 +62,9 @@ def test_eval_report_on_mt_bench_prompts(setup):
 
 def test_eval_on_heldout_split_and_errors(setup):
     root, recipe, _ = setup
-    report = evaluate(recipe, root / "head", None, None, 3, [2], 8, root / "report-heldout", show_progress=False)
+    report = evaluate(recipe, root / "head", None, None, 3, [2], 8, root / "report-heldout", show_progress=False,
+                      prompt_lookup=False)
     assert report["num_prompts"] == 3 and report["overall"]["mtp@k=2"]["greedy_match"]
+    assert set(report["overall"]) == {"plain", "mtp@k=2"}
     with pytest.raises(UserError, match="prompts file not found"):
         load_mt_bench(root / "missing.jsonl")

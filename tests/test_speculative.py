@@ -368,3 +368,27 @@ def test_real_smollm2_greedy_mtp_chain_matches_generate(smollm2_dir):
     # An untrained last-layer head mostly re-predicts the current token, so drafts are rarely accepted here; the
     # accepted-draft paths are covered on tiny models above.
     assert stats.drafted_tokens > 0 and stats.target_forwards <= 32
+
+
+def test_ngram_lookup_finds_latest_longest_match():
+    from mtp_train.runtime.speculative import ngram_next_token
+
+    assert ngram_next_token([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]) == 7  # latest occurrence of (1, 2, 3)
+    assert ngram_next_token([4, 2, 3, 8, 5, 2, 3]) == 8  # falls back to the 2-gram (2, 3)
+    assert ngram_next_token([1, 2, 3, 4]) is None
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_prompt_lookup_greedy_identical_and_accepts_repetitions(tmp_path, k):
+    from mtp_train.runtime.generate import generate
+    from mtp_train.runtime.loader import load_model
+    from mtp_train.runtime.speculative import PromptLookup, speculative_generate
+    from tests.conftest import save_tiny_model
+
+    target = load_model(save_tiny_model(tmp_path / "t", seed=3), dtype="float32", device="cpu")
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 12, 13]]
+    plain, _ = generate(target, prompts, 24)
+    spec, stats = speculative_generate(target, PromptLookup(), prompts, 24, k)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert stats.schedule == "prompt_lookup" and stats.draft_forwards == 0
+    assert stats.tau >= 1.0

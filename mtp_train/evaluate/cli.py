@@ -27,6 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--out", default=None, help="report directory (default: <run_dir>/eval)")
     p.add_argument("--run-dir", default=None, help="log the results into this run's metrics.jsonl / W&B")
+    p.add_argument("--no-prompt-lookup", action="store_true",
+                   help="skip the prompt-lookup (n-gram) baseline that runs beside the draft by default")
     p.set_defaults(func=run_eval_cli)
 
 
@@ -53,6 +55,7 @@ def run_eval_cli(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens or recipe.eval.max_new_tokens,
         out_dir=Path(args.out) if args.out else run_dir / "eval",
         log_run_dir=Path(args.run_dir) if args.run_dir else (run_dir if head_dir == str(run_dir / "head") else None),
+        prompt_lookup=not args.no_prompt_lookup,
     )
     best = report.get("best", {})
     print(f"eval: plain {report['overall']['plain']['tokens_per_s']:.1f} tok/s; best {best.get('method')}: "
@@ -61,7 +64,8 @@ def run_eval_cli(args: argparse.Namespace) -> int:
 
 
 def evaluate(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_tokens, out_dir: Path,
-             log_run_dir: Path | None = None, show_progress: bool = True) -> dict:
+             log_run_dir: Path | None = None, show_progress: bool = True, prompt_lookup: bool = True) -> dict:
+    """Plain decoding, the draft (head or model) and, if `prompt_lookup`, the n-gram baseline, at each k."""
     from mtp_train.evaluate.prompts import load_heldout, load_mt_bench
     from mtp_train.evaluate.report import build_report, write_markdown, write_plots
     from mtp_train.evaluate.runner import run_methods
@@ -85,10 +89,14 @@ def evaluate(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_token
     else:
         prompt_set = load_heldout(recipe.data.output_dir or f"data/prepared/{recipe.name}", limit)
     sampling = SamplingParams(temperature=recipe.eval.temperature)
-    totals = run_methods(target, tokenizer, prompt_set.prompts, {name: draft}, ks, max_new_tokens, sampling,
+    from mtp_train.runtime.speculative import PromptLookup
+
+    drafts = {name: draft, **({"lookup": PromptLookup()} if prompt_lookup else {})}
+    totals = run_methods(target, tokenizer, prompt_set.prompts, drafts, ks, max_new_tokens, sampling,
                          stop_token_ids(tokenizer, target.config), show_progress=show_progress)
     meta = {
         "name": recipe.name, "target": str(recipe.target.path), "draft": str(draft_path), "draft_kind": kind,
+        "draft_method": name,
         "prompts": prompt_set.source, "num_prompts": len(prompt_set.prompts), "skipped": prompt_set.skipped,
         "settings": {"dtype": recipe.target.dtype, "batch_size": 1, "max_new_tokens": max_new_tokens,
                      "temperature": recipe.eval.temperature, "num_speculative_tokens": ks},

@@ -19,7 +19,9 @@ def build_report(totals: dict[str, dict[str, MethodTotals]], meta: dict[str, Any
                 report["per_category"].setdefault(category, {})[method] = by_category[category].summary(
                     plain.get(category) if method != "plain" else None
                 )
-    speculative = {m: r for m, r in report["overall"].items() if m != "plain"}
+    draft_name = meta.get("draft_method")
+    speculative = {m: r for m, r in report["overall"].items() if m != "plain" and
+                   (draft_name is None or m.startswith(f"{draft_name}@"))}
     if speculative:
         best = max(speculative, key=lambda m: speculative[m].get("speedup", 0.0))
         report["best"] = {"method": best, **speculative[best]}

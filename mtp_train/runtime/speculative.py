@@ -43,6 +43,7 @@ from mtp_train.runtime.sampler import SamplingParams, processed_probs, sample, s
 MAX_SPECULATIVE_TOKENS = 8
 SCHEDULE_MTP_CHAIN = "mtp_chain"
 SCHEDULE_TARGET_DRAFT = "target_draft"
+SCHEDULE_PROMPT_LOOKUP = "prompt_lookup"
 
 
 # ---- statistics ----------------------------------------------------------------------------------------------------
@@ -152,6 +153,8 @@ class _Request:
     # Target–draft: positions < draft_synced hold committed tokens; the next ones hold these (unverified) drafts.
     draft_synced: int = 0
     draft_unverified: list[int] = field(default_factory=list)
+    # Prompt lookup: the committed tokens plus this step's drafts (the n-gram search space).
+    draft_context: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.target_view = Sequence(self.index, pages=self.pages)
@@ -343,13 +346,67 @@ class TargetDraftProposer(Proposer):
         return logits, None
 
 
+@dataclass(frozen=True)
+class PromptLookup:
+    """The prompt-lookup (n-gram) drafter, a model-free baseline: the next draft is the token that followed the most
+    recent earlier occurrence of the context's last n tokens (n from `max_ngram` down to `min_ngram`); with no match
+    it guesses a repeat of the last token."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+
+def ngram_next_token(tokens: list[int], max_ngram: int = 3, min_ngram: int = 1) -> int | None:
+    """The token after the latest earlier occurrence of the last n tokens, longest n first; None without a match."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if len(tokens) <= n:
+            continue
+        pattern = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == pattern:
+                return tokens[start + n]
+    return None
+
+
+class PromptLookupProposer(Proposer):
+    """Drafts by n-gram lookup in the sequence itself (no draft model, no KV cache). Its "distribution" is one-hot on
+    the looked-up token, so rejection sampling stays exact."""
+
+    schedule = SCHEDULE_PROMPT_LOOKUP
+
+    def __init__(self, lookup: PromptLookup, vocab_size: int, allocator: PageAllocator, device: torch.device):
+        super().__init__(None, allocator, device)
+        self.lookup, self.vocab_size = lookup, vocab_size
+
+    def _one_hot_logits(self, context: list[int]) -> torch.Tensor:
+        token = ngram_next_token(context, self.lookup.max_ngram, self.lookup.min_ngram)
+        logits = torch.full((self.vocab_size,), float("-inf"), device=self.device)
+        logits[context[-1] if token is None else token] = 0.0
+        return logits  # [vocab]
+
+    def catch_up(self, requests: list[_Request]) -> None:
+        for req in requests:
+            req.draft_context = list(req.token_ids)
+            req.draft_logits = self._one_hot_logits(req.draft_context)
+
+    def draft_step(self, requests, token_ids, state):
+        rows = []
+        for req, token in zip(requests, token_ids.tolist()):
+            req.draft_context.append(token)
+            rows.append(self._one_hot_logits(req.draft_context))
+        return torch.stack(rows), None  # [m, vocab]
+
+
 def _is_draft_head(draft) -> bool:
     return all(callable(getattr(draft, name, None)) for name in ("forward", "logits", "new_kv_cache"))
 
 
 def make_proposer(target: CausalLM, draft, allocator: PageAllocator) -> Proposer:
-    """The proposer for `draft`: a `CausalLM` -> target–draft; a head (forward/logits/new_kv_cache) -> MTP chain."""
+    """The proposer for `draft`: a `CausalLM` -> target–draft; a head (forward/logits/new_kv_cache) -> MTP chain;
+    `PromptLookup` -> n-gram lookup."""
     target_vocab = target.config.vocab_size
+    if isinstance(draft, PromptLookup):
+        return PromptLookupProposer(draft, target_vocab, allocator, target.device)
     if isinstance(draft, CausalLM):
         if draft.config.vocab_size != target_vocab:
             raise UserError(
