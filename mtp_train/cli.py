@@ -23,6 +23,7 @@ STAGE_MODULES = [
     "mtp_train.features.cli",
     "mtp_train.train.cli",
     "mtp_train.evaluate.cli",
+    "mtp_train.evaluate.compare",
     "mtp_train.export.cli",
 ]
 
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    from mtp_train.runtime.cpu import tune_malloc
+
+    tune_malloc()
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

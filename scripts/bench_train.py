@@ -25,6 +25,10 @@ def child(args) -> None:
     from mtp_train.runtime.loader import load_model
     from mtp_train.train.losses import unrolled_losses
 
+    if args.malloc == "tuned":
+        from mtp_train.runtime.cpu import tune_malloc
+
+        tune_malloc()
     torch.manual_seed(0)
     target = load_model(ensure_default_model(), dtype="bfloat16", device="cpu")
     head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp"), dtype=torch.bfloat16)
@@ -61,6 +65,8 @@ def main() -> None:
     parser.add_argument("--unroll", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--quick", action="store_true", help="2048 tokens, 2 steps")
+    parser.add_argument("--malloc", choices=["tuned", "default"], default="tuned",
+                        help="tuned: mtp_train.runtime.cpu.tune_malloc() as the CLI does (default)")
     parser.add_argument("--contender", choices=["chunked", "naive"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -71,7 +77,8 @@ def main() -> None:
     results = {}
     for contender in ("chunked", "naive"):
         command = [sys.executable, __file__, "--contender", contender, "--tokens", str(args.tokens), "--steps",
-                   str(args.steps), "--unroll", str(args.unroll), "--chunk-size", str(args.chunk_size)]
+                   str(args.steps), "--unroll", str(args.unroll), "--chunk-size", str(args.chunk_size),
+                   "--malloc", args.malloc]
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         results[contender] = json.loads(out)
         r = results[contender]
@@ -83,7 +90,7 @@ def main() -> None:
     print(f"RESULT chunked_tok_s={results['chunked']['tokens_per_s']:.1f} naive_tok_s={results['naive']['tokens_per_s']:.1f} "
           f"speed_ratio={speed:.3f} chunked_peak_mib={results['chunked']['peak_growth_mib']:.0f} "
           f"naive_peak_mib={results['naive']['peak_growth_mib']:.0f} memory_ratio={memory:.2f} tokens={args.tokens} "
-          f"unroll={args.unroll} chunk_size={args.chunk_size}")
+          f"unroll={args.unroll} chunk_size={args.chunk_size} malloc={args.malloc}")
 
 
 if __name__ == "__main__":

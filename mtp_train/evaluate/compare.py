@@ -5,7 +5,8 @@ For each run dir (a `train.run_dir`: `recipe.resolved.yaml`, `metrics.jsonl`, `s
 e.g. a target–draft baseline) it collects: the recipe keys that differ between the runs (dotted keys;
 output locations and the name are ignored), the final train loss, training tokens/s, the held-out accuracy per unroll
 step (`val/step{k}/top1`, from summary.json or else the last validation row of metrics.jsonl), and from the eval
-report τ and α at each k and the best speedup. A missing piece is reported per run, never fatal; a directory that
+report τ and α at each k and the best speedup of the evaluated draft (`draft_method`), with baselines run beside it
+(the prompt-lookup proposer) kept apart. A missing piece is reported per run, never fatal; a directory that
 holds none of these files is not a run and is an error.
 
 Writes `<out>/compare.md`, `<out>/compare.json` and PNG plots (`loss_curves.png`, `val_top1_by_step.png`,
@@ -35,6 +36,7 @@ VAL_METRICS = ("top1", "top3", "alpha", "kl", "feature")
 _METHOD = re.compile(r"^(?P<name>.+)@k=(?P<k>\d+)$")
 _VAL_KEY = re.compile(r"^val/step(?P<k>\d+)/(?P<metric>[a-z0-9]+)$")
 _ABSENT = "<absent>"
+BASELINE_METHODS = frozenset({"lookup"})  # model-free proposers `mtp-train eval` runs beside the draft
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -127,8 +129,8 @@ def load_run(path: str | Path) -> Run:
         run.notes.append("eval/report.json: no 'overall' section")
         run.report = None
 
-    name = run.recipe.get("name") if run.recipe else None
-    run.label = str(name) if name else run_path.resolve().name
+    # Label: the run dir's name (= the recipe name for the default runs/<name>; distinct for --set train.run_dir=...).
+    run.label = run_path.resolve().name
     return run
 
 
@@ -250,23 +252,27 @@ def run_numbers(run: Run) -> dict[str, Any]:
     evaluation = None
     if run.report is not None:
         overall = run.report["overall"]
-        by_k: dict[int, dict[str, Any]] = {}
+        by_name: dict[str, dict[int, dict[str, Any]]] = {}  # method name (before "@k=") -> k -> numbers
         for method, result in overall.items():
             match = _METHOD.match(str(method))
             if not match or not isinstance(result, dict):
                 continue
-            k = int(match["k"])
-            entry = {"method": method, "tau": _number(result.get("tau")), "alpha": _number(result.get("alpha")),
-                     "speedup": _number(result.get("speedup")), "tokens_per_s": _number(result.get("tokens_per_s")),
-                     "acceptance_per_position": list(result.get("acceptance_per_position") or []),
-                     "greedy_match": result.get("greedy_match")}
-            # Several drafts at the same k in one report: keep the one with the highest τ.
-            if k not in by_k or (entry["tau"] or 0.0) > (by_k[k]["tau"] or 0.0):
-                by_k[k] = entry
+            by_name.setdefault(match["name"], {})[int(match["k"])] = {
+                "method": method, "tau": _number(result.get("tau")), "alpha": _number(result.get("alpha")),
+                "speedup": _number(result.get("speedup")), "tokens_per_s": _number(result.get("tokens_per_s")),
+                "acceptance_per_position": list(result.get("acceptance_per_position") or []),
+                "greedy_match": result.get("greedy_match"),
+            }
+        # The evaluated draft (head or draft model) vs baselines run beside it (the prompt-lookup proposer).
+        draft_name = run.report.get("draft_method")
+        if draft_name not in by_name:
+            candidates = [name for name in by_name if name not in BASELINE_METHODS] or list(by_name)
+            draft_name = candidates[0] if candidates else None
+        by_k = by_name.get(draft_name, {}) if draft_name else {}
+        baselines = {name: dict(sorted(ks.items())) for name, ks in by_name.items() if name != draft_name}
         best = run.report.get("best")
-        if not isinstance(best, dict) and by_k:
-            best_k = max(by_k, key=lambda k: by_k[k]["speedup"] or 0.0)
-            best = by_k[best_k]
+        if not (isinstance(best, dict) and str(best.get("method", "")).startswith(f"{draft_name}@")):
+            best = max(by_k.values(), key=lambda e: e["speedup"] or 0.0) if by_k else None
         best_out = None
         if isinstance(best, dict):
             best_out = {"method": best.get("method"), "tau": _number(best.get("tau")),
@@ -275,8 +281,8 @@ def run_numbers(run: Run) -> dict[str, Any]:
         plain = overall.get("plain") if isinstance(overall.get("plain"), dict) else {}
         evaluation = {
             "prompts": run.report.get("prompts"), "num_prompts": run.report.get("num_prompts"),
-            "plain_tokens_per_s": _number(plain.get("tokens_per_s")),
-            "by_k": dict(sorted(by_k.items())), "best": best_out,
+            "draft_method": draft_name, "plain_tokens_per_s": _number(plain.get("tokens_per_s")),
+            "by_k": dict(sorted(by_k.items())), "best": best_out, "baselines": baselines,
         }
     return {"train": train, "val": val, "val_source": val_source, "eval": evaluation}
 
@@ -330,6 +336,14 @@ def build_table(runs: list[Run], numbers: list[dict[str, Any]], diffs: dict[str,
     best = [n["eval"]["best"] if n["eval"] and n["eval"]["best"] else {} for n in numbers]
     rows.append(["eval best method", *[_fmt(b.get("method")) for b in best]])
     rows.append(["eval best speedup", *[_fmt(b.get("speedup"), "x") for b in best]])
+    baseline_names = sorted({name for n in numbers if n["eval"] for name in n["eval"]["baselines"]})
+    for name in baseline_names:
+        cells = []
+        for n in numbers:
+            ks = (n["eval"] or {}).get("baselines", {}).get(name) or {}
+            top = max(ks.values(), key=lambda e: e["speedup"] or 0.0) if ks else None
+            cells.append(f"{_fmt(top['speedup'], 'x')} ({top['method']}, τ {_fmt(top['tau'], 'acc')})" if top else "—")
+        rows.append([f"baseline {name}: best speedup", *cells])
     rows.append(["eval plain tokens/s", *[_fmt(n["eval"]["plain_tokens_per_s"] if n["eval"] else None, "rate")
                                           for n in numbers]])
     rows.append(["missing", *["; ".join(run.notes) or "—" for run in runs]])
@@ -468,8 +482,11 @@ def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -
             rates = best.get("acceptance_per_position") or []
             if rates:
                 ax_acc.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{run.label} ({best.get('method')})")
-            ks = list(evaluation["by_k"])
-            ax_tau.plot(ks, [evaluation["by_k"][k]["tau"] or 0.0 for k in ks], marker="o", label=run.label)
+            line = ax_tau.plot(list(evaluation["by_k"]), [e["tau"] or 0.0 for e in evaluation["by_k"].values()],
+                               marker="o", label=f"{run.label} ({evaluation['draft_method']})")[0]
+            for name, ks in evaluation["baselines"].items():
+                ax_tau.plot(list(ks), [e["tau"] or 0.0 for e in ks.values()], marker="x", linestyle="--",
+                            color=line.get_color(), alpha=0.6, label=f"{run.label} ({name})")
         for axis in (ax_acc, ax_tau):
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax_acc.set_xlabel("draft position")

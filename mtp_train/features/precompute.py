@@ -189,7 +189,11 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
         shutil.rmtree(root)
     _barrier(dist)
 
-    device = torch.device(f"cuda:{env.local_rank}") if recipe.target.device in ("auto", "cuda") and torch.cuda.is_available() else torch.device("cpu")
+    from mtp_train.runtime.loader import resolve_device
+
+    device = resolve_device(recipe.target.device)  # "cuda" without CUDA is an error, not a silent CPU run
+    if device.type == "cuda":
+        device = torch.device(f"cuda:{env.local_rank}")
     model = load_model(recipe.target.path, dtype=recipe.target.dtype, device=device)
     num_layers = model.config.num_hidden_layers
     bad_layers = [j for j in pre.aux_layers if j >= num_layers]

@@ -92,6 +92,10 @@ def distill_sums(
         return DistillSums(*_chunk_metrics(_log_probs(draft_hidden, weight), _log_probs(target_next_hidden, weight)))
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    if draft_hidden.device.type == "cpu":  # keep each [rows, V] fp32 block below glibc's mmap threshold
+        from mtp_train.runtime.cpu import CPU_BLOCK_BYTES
+
+        chunk_size = max(1, min(chunk_size, CPU_BLOCK_BYTES // (4 * weight.shape[0])))
     return DistillSums(*_ChunkedDistill.apply(draft_hidden, target_next_hidden, weight, chunk_size))
 
 

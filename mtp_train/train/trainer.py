@@ -100,7 +100,12 @@ def deepspeed_config(recipe, world_size: int, use_bf16: bool) -> dict[str, Any]:
             f"micro-batches (1) × train.grad_accum ({train.grad_accum}) × world size ({world_size}) = {expected_global}"
         )
     config["train_batch_size"] = expected_global
-    config.setdefault("gradient_clipping", train.clip)
+    if "gradient_clipping" in config and config["gradient_clipping"] != train.clip:
+        raise UserError(
+            f"{train.deepspeed_config}: gradient_clipping={config['gradient_clipping']} conflicts with the recipe's "
+            f"train.clip={train.clip}; set it in one place"
+        )
+    config["gradient_clipping"] = train.clip
     config["bf16"] = {**config.get("bf16", {}), "enabled": use_bf16}
     config.setdefault("steps_per_print", 10**9)
     config.setdefault("wall_clock_breakdown", False)
