@@ -29,8 +29,10 @@ demo: assets
 test: setup assets
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/python -m pytest -q --timeout=900 $(PYTEST_ARGS)
 
+BENCH_ARGS ?=
 bench: setup assets
-	$(BIN)/python scripts/bench_decode.py
+	$(BIN)/mtp-train fetch-assets --dataset sharegpt
+	for b in decode precompute train spec; do $(BIN)/python scripts/bench_$$b.py $(BENCH_ARGS) || exit 1; done
 
 clean-venv:
 	rm -rf $(VENV)
