@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mtp_train.errors import UserError
+from mtp_train.fileio import atomic_write_text
 
 DEFAULT_RECIPE_PATH = "recipes/smollm2-135m-mtp.yaml"
 RESOLVED_RECIPE_FILENAME = "recipe.resolved.yaml"
@@ -452,30 +452,6 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] | None = None) -> str:
         data = {name: data[name] for name in chosen}
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """Write `text` to a temporary file next to `path`, fsync it, then rename it into place."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.chmod(temp_name, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the usual file mode
-        os.replace(temp_name, target)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
-    return target
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def save_resolved(recipe: Recipe, directory: str | os.PathLike[str]) -> Path:

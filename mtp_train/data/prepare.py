@@ -50,7 +50,8 @@ from mtp_train.data.prepared import (
 from mtp_train.data.regenerate import GenerateFn, Message, RegenerationStats, regenerate_conversations
 from mtp_train.data.templating import AssistantMaskRenderer, effective_chat_template, load_chat_tokenizer
 from mtp_train.errors import UserError
-from mtp_train.recipe import Recipe, add_recipe_args, atomic_write_text, recipe_from_args, recipe_hash, save_resolved
+from mtp_train.fileio import atomic_write_text
+from mtp_train.recipe import Recipe, add_recipe_args, recipe_from_args, recipe_hash, save_resolved
 
 logger = logging.getLogger(__name__)
 

@@ -69,7 +69,7 @@ def evaluate(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_token
     from mtp_train.evaluate.prompts import load_heldout, load_mt_bench
     from mtp_train.evaluate.report import build_report, write_markdown, write_plots
     from mtp_train.evaluate.runner import run_methods
-    from mtp_train.features.format import write_json_atomic
+    from mtp_train.fileio import write_json_atomic
     from mtp_train.runtime.chat import stop_token_ids
     from mtp_train.runtime.loader import load_model, load_tokenizer
     from mtp_train.runtime.sampler import SamplingParams

@@ -516,7 +516,7 @@ def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -
 
 def compare_runs(run_dirs: list[str | Path], out_dir: str | Path = DEFAULT_OUT, echo: bool = True) -> dict[str, Any]:
     """Compare the runs, write compare.md / compare.json / PNGs into `out_dir`, return the compare.json content."""
-    from mtp_train.recipe import atomic_write_text
+    from mtp_train.fileio import atomic_write_text
 
     if not run_dirs:
         raise UserError("compare: expected at least one run directory")

@@ -17,7 +17,6 @@ Layout of `<precompute.output_dir>/`:
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from mtp_train.errors import UserError
+from mtp_train.fileio import atomic_write_bytes
 from mtp_train.fingerprint import file_sha256
 
 FORMAT_VERSION = 1
@@ -61,25 +61,6 @@ def decode_hidden(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch
     return (stored.float() * scale[..., None]).to(dtype)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        if err.errno == errno.ENOSPC:
-            raise UserError(f"{path}: disk full while writing; free space and rerun the same command to resume") from None
-        raise
-
-
-def write_json_atomic(path: Path, value: Any) -> None:
-    _atomic_write_bytes(path, (json.dumps(value, indent=2, sort_keys=False) + "\n").encode())
-
-
 def write_shard(path: Path, samples: list[dict[str, torch.Tensor | int]], storage_dtype: str) -> dict[str, Any]:
     """Write one shard atomically. Each sample: `sample_index` int, `input_ids` [T] , `loss_mask` [T],
     `hidden` [T, d], optional `aux_hidden` [T, n_aux, d]. Returns the shard's record (sha256 over the file)."""
@@ -106,7 +87,7 @@ def write_shard(path: Path, samples: list[dict[str, torch.Tensor | int]], storag
     # order and identical shards would differ byte-wise (the format version lives in the manifest).
     data = save(tensors, metadata={"format": "pt"})
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_bytes(path, data)
+    atomic_write_bytes(path, data)
     import hashlib
 
     return {

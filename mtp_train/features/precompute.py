@@ -30,9 +30,9 @@ from mtp_train.features.format import (
     progress_path,
     shard_name,
     shard_sha256_ok,
-    write_json_atomic,
     write_shard,
 )
+from mtp_train.fileio import write_json_atomic
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")

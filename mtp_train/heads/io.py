@@ -4,32 +4,18 @@ lm_head) + `<dir>/head_config.json`. Both are written to a temporary name and re
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from mtp_train.errors import UserError
+from mtp_train.fileio import atomic_write_bytes
 from mtp_train.heads.config import HeadConfig
 from mtp_train.heads.draft_head import DraftHead
 from mtp_train.runtime.model import CausalLM
 
 WEIGHTS_FILENAME = "model.safetensors"
 CONFIG_FILENAME = "head_config.json"
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
 
 
 def _is_frozen_key(key: str) -> bool:
@@ -45,8 +31,8 @@ def save_head(head: DraftHead, directory: str | os.PathLike[str]) -> Path:
     frozen = [key for key in state if _is_frozen_key(key)]
     assert not frozen, f"head state dict holds the target's frozen tensors {frozen}"
     metadata = {"format": "pt", "kind": head.head_config.kind}
-    _atomic_write_bytes(directory / WEIGHTS_FILENAME, save(state, metadata=metadata))
-    _atomic_write_bytes(directory / CONFIG_FILENAME, head.head_config.to_json().encode("utf-8"))
+    atomic_write_bytes(directory / WEIGHTS_FILENAME, save(state, metadata=metadata))
+    atomic_write_bytes(directory / CONFIG_FILENAME, head.head_config.to_json().encode("utf-8"))
     return directory
 
 

@@ -78,7 +78,7 @@ class Tracker:
     def finish(self, summary: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        from mtp_train.features.format import write_json_atomic
+        from mtp_train.fileio import write_json_atomic
 
         write_json_atomic(self.run_dir / "summary.json", summary)
         if self.wandb_run is not None:

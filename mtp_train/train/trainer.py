@@ -253,7 +253,7 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"rng": rngs})
         path = ckpt_dir / tag
         if is_main:
-            from mtp_train.features.format import write_json_atomic
+            from mtp_train.fileio import write_json_atomic
 
             write_json_atomic(path / "client_state.json", {"step": step, "reader": train_reader.state_dict(),
                                                            "target_fingerprint": fingerprint})
