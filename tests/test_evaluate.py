@@ -68,3 +68,15 @@ def test_eval_on_heldout_split_and_errors(setup):
     assert set(report["overall"]) == {"plain", "mtp@k=2"}
     with pytest.raises(UserError, match="prompts file not found"):
         load_mt_bench(root / "missing.jsonl")
+
+
+def test_divergence_gap_reads_the_targets_logits_at_the_first_difference(setup):
+    from mtp_train.evaluate.runner import divergence_gap
+    from mtp_train.runtime.attention import BatchInfo
+
+    _, recipe, _ = setup
+    target = load_model(recipe.target.path, dtype="float32", device="cpu")
+    prompt, plain, other = [3, 4, 5], [7, 8, 9, 10], [7, 8, 11, 12]
+    logits = target(torch.tensor(prompt + plain[:2]), BatchInfo.without_cache([5])).logits[-1]
+    assert divergence_gap(target, prompt, plain, other) == pytest.approx(abs(float(logits[9] - logits[11])))
+    assert divergence_gap(target, prompt, plain, plain[:2]) is None

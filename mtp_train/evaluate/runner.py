@@ -29,8 +29,11 @@ class MethodTotals:
     accepted_per_position: list[int] = field(default_factory=list)
     turns: int = 0
     matched_turns: int = 0  # greedy: turns whose output equals plain decoding's
+    # Greedy turns that diverged: the target's logit gap between plain's and this method's token at the first
+    # differing position (a near-zero gap is a floating-point tie flipped by a different batch shape, not a bug).
+    divergence_gaps: list[float] = field(default_factory=list)
 
-    def add(self, new_tokens, seconds, target_forwards, drafted=None, accepted=None, matched=None):
+    def add(self, new_tokens, seconds, target_forwards, drafted=None, accepted=None, matched=None, gap=None):
         self.new_tokens += new_tokens
         self.seconds += seconds
         self.target_forwards += target_forwards
@@ -42,6 +45,8 @@ class MethodTotals:
             self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, accepted)]
         self.turns += 1
         self.matched_turns += int(bool(matched))
+        if gap is not None:
+            self.divergence_gaps.append(gap)
 
     def summary(self, plain: "MethodTotals | None" = None) -> dict:
         tokens_per_s = self.new_tokens / self.seconds if self.seconds else 0.0
@@ -61,9 +66,27 @@ class MethodTotals:
             ]
             out["greedy_match"] = self.matched_turns == self.turns
             out["matched_turns"] = self.matched_turns
+            if self.divergence_gaps:
+                out["max_divergence_logit_gap"] = round(max(self.divergence_gaps), 4)
         if plain is not None and plain.seconds and self.seconds:
             out["speedup"] = round(tokens_per_s / (plain.new_tokens / plain.seconds), 4)
         return out
+
+
+def divergence_gap(target, prompt_ids: list[int], plain: list[int], other: list[int]) -> float | None:
+    """|logit(plain token) - logit(other token)| of the target at the first position where two greedy outputs
+    differ (None if one is a prefix of the other)."""
+    import torch
+
+    from mtp_train.runtime.attention import BatchInfo
+
+    j = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), None)
+    if j is None:
+        return None
+    context = torch.tensor(prompt_ids + plain[:j], device=target.device)
+    logits = target(context, BatchInfo.without_cache([len(context)], target.device),
+                    logits_indices=torch.tensor([len(context) - 1], device=target.device)).logits[0]
+    return abs(float(logits[plain[j]] - logits[other[j]]))
 
 
 def _turn_ids(tokenizer, prompt: EvalPrompt, answers: list[str], turn: int) -> list[int]:
@@ -118,11 +141,14 @@ def run_methods(
                         target, drafts[name], [ids], max_new_tokens, int(k), sampling, stop_token_ids, seed=seed
                     )
                     seconds = time.perf_counter() - start
+                    matched = results[0].token_ids == plain_answers[turn]
                     record = dict(
                         target_forwards=stats.target_sequence_forwards,
                         drafted=stats.drafted_per_position,
                         accepted=stats.accepted_per_position,
-                        matched=results[0].token_ids == plain_answers[turn],
+                        matched=matched,
+                        gap=None if matched or not sampling.greedy else divergence_gap(
+                            target, ids, plain_answers[turn], results[0].token_ids),
                     )
                 output = results[0].token_ids
                 for category in ("all", prompt.category):
