@@ -40,6 +40,8 @@ def _match_cell(r: dict[str, Any]) -> str:
     cell = f"no ({r['matched_turns']}/{r['turns']} turns identical"
     if "max_divergence_logit_gap" in r:
         cell += f"; at the first difference the target's logits differ by ≤ {r['max_divergence_logit_gap']:.3g}"
+    if r.get("context_diverged_turns"):
+        cell += f"; {r['context_diverged_turns']} later turn(s) not comparable: an earlier turn had parted"
     return cell + ")"
 
 

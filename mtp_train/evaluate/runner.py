@@ -32,8 +32,11 @@ class MethodTotals:
     # Greedy turns that diverged: the target's logit gap between plain's and this method's token at the first
     # differing position (a near-zero gap is a floating-point tie flipped by a different batch shape, not a bug).
     divergence_gaps: list[float] = field(default_factory=list)
+    # Later turns whose prompt already differs from plain's (an earlier turn parted): not comparable.
+    context_diverged_turns: int = 0
 
-    def add(self, new_tokens, seconds, target_forwards, drafted=None, accepted=None, matched=None, gap=None):
+    def add(self, new_tokens, seconds, target_forwards, drafted=None, accepted=None, matched=None, gap=None,
+            context_diverged=False):
         self.new_tokens += new_tokens
         self.seconds += seconds
         self.target_forwards += target_forwards
@@ -47,6 +50,7 @@ class MethodTotals:
         self.matched_turns += int(bool(matched))
         if gap is not None:
             self.divergence_gaps.append(gap)
+        self.context_diverged_turns += int(context_diverged)
 
     def summary(self, plain: "MethodTotals | None" = None) -> dict:
         tokens_per_s = self.new_tokens / self.seconds if self.seconds else 0.0
@@ -66,6 +70,7 @@ class MethodTotals:
             ]
             out["greedy_match"] = self.matched_turns == self.turns
             out["matched_turns"] = self.matched_turns
+            out["context_diverged_turns"] = self.context_diverged_turns
             if self.divergence_gaps:
                 out["max_divergence_logit_gap"] = round(max(self.divergence_gaps), 4)
         if plain is not None and plain.seconds and self.seconds:
@@ -124,6 +129,7 @@ def run_methods(
     progress = tqdm(total=num_turns * len(methods), desc="eval", unit="gen", disable=not show_progress)
     for prompt in prompts:
         plain_answers: list[list[int]] = []
+        plain_prompts: list[list[int]] = []
         for method in methods:
             answers: list[str] = []
             turns = 1 if prompt.prompt_ids is not None else len(prompt.turns)
@@ -135,20 +141,23 @@ def run_methods(
                     seconds = time.perf_counter() - start
                     record = dict(target_forwards=stats.target_forwards)
                     plain_answers.append(results[0].token_ids)
+                    plain_prompts.append(ids)
                 else:
                     name, k = method.rsplit("@k=", 1)
                     results, stats = speculative_generate(
                         target, drafts[name], [ids], max_new_tokens, int(k), sampling, stop_token_ids, seed=seed
                     )
                     seconds = time.perf_counter() - start
-                    matched = results[0].token_ids == plain_answers[turn]
+                    same_context = ids == plain_prompts[turn]
+                    matched = same_context and results[0].token_ids == plain_answers[turn]
                     record = dict(
                         target_forwards=stats.target_sequence_forwards,
                         drafted=stats.drafted_per_position,
                         accepted=stats.accepted_per_position,
                         matched=matched,
-                        gap=None if matched or not sampling.greedy else divergence_gap(
+                        gap=None if matched or not same_context or not sampling.greedy else divergence_gap(
                             target, ids, plain_answers[turn], results[0].token_ids),
+                        context_diverged=not same_context,
                     )
                 output = results[0].token_ids
                 for category in ("all", prompt.category):
