@@ -30,6 +30,13 @@ WEIGHTS_FILENAME = "model.safetensors"
 CONFIG_FILENAME = "config.json"
 HEAD_CONFIG_FILENAME = "head_config.json"
 BLOCK_KEY = "mtp_train"
+# config.json fields every engine-format export carries: the layer shape engines build the draft block from, plus
+# our own block (head config and the hidden state the head reads).
+ENGINE_CONFIG_FIELDS = [
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "vocab_size", "rms_norm_eps", "num_hidden_layers",
+    f"{BLOCK_KEY}.head_config", f"{BLOCK_KEY}.hidden_state_input",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}

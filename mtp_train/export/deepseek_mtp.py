@@ -52,6 +52,7 @@ from mtp_train.errors import UserError
 from mtp_train.export.base import ExportFormat, layer_shape_problems
 from mtp_train.export.common import (
     BLOCK_KEY,
+    ENGINE_CONFIG_FIELDS,
     LayerShape,
     engine_config_from_target,
     mtp_train_block,
@@ -120,20 +121,7 @@ class DeepSeekMTPFormat(ExportFormat):
         return "num_nextn_predict_layers" in config or any(_LAYER_NAME.match(n) for n in names)
 
     def required_fields(self, config):
-        return [
-            "architectures",
-            "model_type",
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "vocab_size",
-            "rms_norm_eps",
-            "num_hidden_layers",
-            "num_nextn_predict_layers",
-            f"{BLOCK_KEY}.head_config",
-            f"{BLOCK_KEY}.hidden_state_input",
-        ]
+        return [*ENGINE_CONFIG_FIELDS, "num_nextn_predict_layers"]
 
     def expected_tensors(self, config, directory):
         shape = LayerShape.from_hf_dict(config, str(directory / "config.json"))

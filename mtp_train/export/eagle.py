@@ -35,6 +35,7 @@ from mtp_train.errors import UserError
 from mtp_train.export.base import ExportFormat, layer_shape_problems
 from mtp_train.export.common import (
     BLOCK_KEY,
+    ENGINE_CONFIG_FIELDS,
     MTP_NORMS_LOST,
     LayerShape,
     engine_config_from_target,
@@ -95,19 +96,7 @@ class EagleFormat(ExportFormat):
         return "fc.weight" in names or any(str(a).endswith("Eagle") for a in archs)
 
     def required_fields(self, config):
-        return [
-            "architectures",
-            "model_type",
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "vocab_size",
-            "rms_norm_eps",
-            "num_hidden_layers",
-            f"{BLOCK_KEY}.head_config",
-            f"{BLOCK_KEY}.hidden_state_input",
-        ]
+        return list(ENGINE_CONFIG_FIELDS)
 
     def expected_tensors(self, config, directory):
         shape = LayerShape.from_hf_dict(config, str(directory / "config.json"))
