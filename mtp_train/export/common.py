@@ -24,6 +24,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.heads.config import HeadConfig
+from mtp_train.heads.io import check_state_shapes
 
 FORMAT_VERSION = 1
 WEIGHTS_FILENAME = "model.safetensors"
@@ -281,19 +282,7 @@ def check_native_state(
     state: dict[str, tuple[int, ...]], head_config: HeadConfig, shape: LayerShape, source: str
 ) -> None:
     """Names and shapes of a native state dict (name -> shape) against what `head_config` over `shape` implies."""
-    expected = native_tensors(head_config.kind, head_config.num_layers, shape)
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    if missing or unexpected:
-        parts = [f"missing {', '.join(missing)}"] if missing else []
-        parts += [f"unexpected {', '.join(unexpected)}"] if unexpected else []
-        raise UserError(
-            f"{source}: tensor names do not match a {head_config.kind} head with {head_config.num_layers} layer(s): "
-            + "; ".join(parts)
-        )
-    for key, dims in expected.items():
-        if tuple(state[key]) != dims:
-            raise UserError(f"{source}: tensor {key} has shape {tuple(state[key])}, the target's config implies {dims}")
+    check_state_shapes(state, native_tensors(head_config.kind, head_config.num_layers, shape), head_config, source)
 
 
 def read_native_head(head_dir: str | os.PathLike[str], target: TargetInfo) -> tuple[dict[str, torch.Tensor], HeadConfig]:

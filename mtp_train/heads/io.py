@@ -22,6 +22,25 @@ def _is_frozen_key(key: str) -> bool:
     return any(part in ("embed_tokens", "lm_head") for part in key.split("."))
 
 
+def check_state_shapes(
+    state: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], head_config: HeadConfig, source: str
+) -> None:
+    """Tensor names and shapes of a head file (name -> shape) against what the head config implies; a UserError
+    names the missing/unexpected keys or the first wrong shape."""
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        parts = [f"missing {', '.join(missing)}"] if missing else []
+        parts += [f"unexpected {', '.join(unexpected)}"] if unexpected else []
+        raise UserError(
+            f"{source}: tensor names do not match a {head_config.kind} head with {head_config.num_layers} "
+            f"layer(s): {'; '.join(parts)}"
+        )
+    for key, dims in expected.items():
+        if tuple(state[key]) != tuple(dims):
+            raise UserError(f"{source}: tensor {key} has shape {tuple(state[key])}, the target's config implies {dims}")
+
+
 def save_head(head: DraftHead, directory: str | os.PathLike[str]) -> Path:
     """Write the head's weights and config to `directory`; returns the directory."""
     from safetensors.torch import save
@@ -86,22 +105,11 @@ def load_head(
 
     with torch.device("meta"):
         head = DraftHead(target_config, head_config, target.model.embed_tokens, target.lm_head, target.backend)
-    expected = head.state_dict()
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    if missing or unexpected:
-        parts = [f"missing {', '.join(missing)}"] if missing else []
-        parts += [f"unexpected {', '.join(unexpected)}"] if unexpected else []
-        raise UserError(
-            f"{weights_path}: tensor names do not match a {head_config.kind} head with {head_config.num_layers} "
-            f"layer(s): {'; '.join(parts)}"
-        )
-    for key, tensor in expected.items():
-        if tuple(state[key].shape) != tuple(tensor.shape):
-            raise UserError(
-                f"{weights_path}: tensor {key} has shape {tuple(state[key].shape)}, the target's config implies "
-                f"{tuple(tensor.shape)}"
-            )
+    check_state_shapes(
+        {k: tuple(v.shape) for k, v in state.items()},
+        {k: tuple(v.shape) for k, v in head.state_dict().items()},
+        head_config, str(weights_path),
+    )
     dtype = dtype or target.dtype
     head.load_state_dict({k: v.to(device=target.device, dtype=dtype) for k, v in state.items()}, assign=True)
     return head
