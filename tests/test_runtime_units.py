@@ -94,3 +94,27 @@ def test_loader_errors(tmp_path):
     )
     with pytest.raises(UserError, match="dynamic"):
         load_model(rope)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_small_query_attention_equals_sdpa(dtype, tol):
+    """The CPU decode/verify path (fp32 matmuls + softmax) against SDPA, with GQA and a causal-plus-padding mask."""
+    import torch.nn.functional as F
+
+    from mtp_train.runtime.attention import _small_query_attention
+
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, n_q, kv, head_dim = 3, 6, 2, 4, 11, 8
+    q = torch.randn(batch, heads, n_q, head_dim, generator=gen).to(dtype)
+    k = torch.randn(batch, kv_heads, kv, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, kv_heads, kv, head_dim, generator=gen).to(dtype)
+    kv_lens = [11, 7, 5]
+    mask = torch.zeros(batch, 1, n_q, kv, dtype=torch.bool)
+    for b, length in enumerate(kv_lens):  # the last n_q keys are the new tokens: causal among themselves
+        positions = torch.arange(length - n_q, length)
+        mask[b, 0, :, :length] = torch.arange(length)[None, :] <= positions[:, None]
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.3,
+                                              enable_gqa=True)
+    got = _small_query_attention(q, k, v, mask, 0.3)
+    assert got.dtype == dtype
+    assert torch.allclose(got.float(), expected, atol=tol)
