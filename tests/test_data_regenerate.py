@@ -121,3 +121,12 @@ def test_generate_fn_returning_the_wrong_number_of_replies_is_an_error(tmp_path:
                 [make_conversation("a", 1), make_conversation("b", 1)], broken, tmp_path / "p.jsonl"
             )
         )
+
+
+def test_max_turns_keeps_only_the_first_user_turns(tmp_path: Path) -> None:
+    conversations = [make_conversation("a", 1), make_conversation("b", 3, system=True)]
+    generate = FakeGenerator()
+    result = list(regenerate_conversations(conversations, generate, tmp_path / "p.jsonl", batch_size=8, max_turns=1))
+    assert [m["role"] for m in result[1].messages] == ["system", "user", "assistant"]
+    assert result[1].messages[2]["content"] == "reply to b q0 after 2 messages"
+    assert [len(batch) for batch in generate.calls] == [2]  # one generation depth only

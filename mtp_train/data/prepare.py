@@ -252,6 +252,7 @@ class _SamplePipeline:
                 self.regeneration_progress,
                 batch_size=data.regenerate.batch_size,
                 stats=self.stats.regeneration,
+                max_turns=data.regenerate.max_turns,
             )
         for conversation in cleaned:
             row = self._tokenized_row(conversation, source_stats)

@@ -103,6 +103,20 @@ def _regenerate_batch(
     ]
 
 
+def _first_turns(conversation: Conversation, max_turns: int) -> Conversation:
+    """The conversation up to (not including) its (max_turns+1)-th user message."""
+    user_turns = 0
+    for cut, message in enumerate(conversation.messages):
+        if message["role"] == "user":
+            user_turns += 1
+            if user_turns > max_turns:
+                return Conversation(
+                    conversation.source_id, conversation.messages[:cut], conversation.origin,
+                    dict(conversation.metadata),
+                )
+    return conversation
+
+
 def regenerate_conversations(
     conversations: Iterable[Conversation],
     generate_fn: GenerateFn,
@@ -110,12 +124,14 @@ def regenerate_conversations(
     *,
     batch_size: int = 8,
     stats: RegenerationStats | None = None,
+    max_turns: int | None = None,
 ) -> Iterator[Conversation]:
     """The input conversations, in order, with every assistant turn replaced by a `generate_fn` reply.
 
     Conversations whose `source_id` is already in `progress_path` come from there without calling `generate_fn`;
     each newly finished batch is appended (and fsynced) before it is yielded. The input is consumed lazily, at most
-    `batch_size` conversations ahead of what has been yielded.
+    `batch_size` conversations ahead of what has been yielded. `max_turns`: cut each conversation before its
+    (max_turns+1)-th user turn first (fewer, shorter generations per conversation).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -148,6 +164,8 @@ def regenerate_conversations(
         to_generate.clear()
 
     for conversation in conversations:
+        if max_turns is not None:
+            conversation = _first_turns(conversation, max_turns)
         done_messages = finished.get(conversation.source_id)
         if done_messages is not None:
             stats.resumed += 1
