@@ -10,6 +10,8 @@ from pathlib import Path
 from tests.conftest import save_tiny_model
 from tests.conftest_data import SMOLLM2_CHATML_TEMPLATE, build_tokenizer
 
+RECIPE_PATH = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m-mtp.yaml"
+
 WORDS = (
     "the model drafts tokens and the target verifies them in one pass so generation is faster when drafts are "
     "accepted hello world python code data cache page head layer norm train loss step rank shard"
@@ -71,6 +73,6 @@ def tiny_pipeline(root: Path, num_conversations: int = 40, seed: int = 0, **extr
     target = make_tiny_target(root / "target", seed=seed)
     source = synthetic_sharegpt(root / "chats.jsonl", num_conversations, seed=seed)
     overrides = tiny_recipe_overrides(root, target, source, **extra)
-    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "smollm2-135m-mtp.yaml", overrides)
+    recipe = load_recipe(RECIPE_PATH, overrides)
     prepare_dataset(recipe, show_progress=False)
     return recipe, overrides

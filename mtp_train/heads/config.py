@@ -26,7 +26,7 @@ class HeadConfig:
     kind: str = "mtp"
     num_layers: int = 1
     init: str = "last_layer"  # "last_layer": copy the target's last decoder layer; "random": normal(0, init_range)
-    draft_vocab_size: int | None = None  # None = the full vocabulary (a reduced draft vocabulary comes later)
+    draft_vocab_size: int | None = None  # None = the full vocabulary; N = the head predicts N target tokens (d2t/t2d)
     target_fingerprint: str | None = None  # hash of the target it was trained for; checked on load when both known
     aux_layers: tuple[int, ...] = ()  # target layers whose outputs the head reads (EAGLE-3, later); empty for now
 
@@ -38,8 +38,11 @@ class HeadConfig:
             raise UserError(f"head init {self.init!r} is not supported; expected one of {', '.join(HEAD_INITS)}")
         if self.num_layers < 1:
             raise UserError(f"head num_layers must be >= 1, got {self.num_layers}")
-        if self.draft_vocab_size is not None:
-            raise UserError("head draft_vocab_size (a reduced draft vocabulary) is not supported yet; expected null")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise UserError(
+                f"head draft_vocab_size must be between 1 and the target's vocab_size {self.vocab_size} (or null for "
+                f"the full vocabulary), got {self.draft_vocab_size}"
+            )
         if self.aux_layers:
             raise UserError(
                 f"head aux_layers {list(self.aux_layers)} (EAGLE-3 inputs) are not supported yet; expected []"

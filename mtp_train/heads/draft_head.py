@@ -7,6 +7,9 @@ The head reads the target's frozen `embed_tokens` and `lm_head` by reference: th
 state-dict entries of the head, `.to()` on the head leaves them alone, and they are read through `.detach()` so no
 gradient reaches them. Decoder layers are the runtime's `DecoderLayer` and run through the runtime's attention
 backend, so training (packed sequences, no cache) and speculative drafting (paged KV cache) share one code path.
+With a reduced draft vocabulary (`head_config.draft_vocab_size` = N) the head holds two buffers, `d2t` [N] int64
+and `t2d` [V] bool (`heads.vocab`), and its output projection is the lm_head's rows `draft_ids` (taken from the
+target, never stored in the head file): `logits()` returns [n, N] logits over draft ids.
 Row r of a forward reads `(hidden[r], token_ids[r])`; its rotary position is `batch.positions[r]`, by convention the
 position of the hidden state it reads (row (H_i, t_{i+1}) -> position i, as vLLM's EAGLE/MTP proposers do).
 """
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_train.heads.config import HeadConfig
+from mtp_train.heads.vocab import check_draft_ids, d2t_from_ids, ids_from_d2t, t2d_from_ids
 from mtp_train.runtime.attention import AttentionBackend, BatchInfo, TorchAttention
 from mtp_train.runtime.config import ModelConfig
 from mtp_train.runtime.kv_cache import KVCache, PageAllocator
@@ -33,11 +37,13 @@ class _Borrowed:
     embed_tokens: nn.Embedding  # the target's, frozen
     lm_head: nn.Linear  # the target's, frozen
     rotary: RotaryEmbedding  # the head's own tables; kept fp32 (a module would be cast by `head.to(bfloat16)`)
+    draft_weight: torch.Tensor | None = None  # lm_head rows of the draft vocabulary (cached; rebuilt when stale)
+    draft_weight_key: tuple = ()
 
 
 class DraftHead(nn.Module):
     """A draft head over a target. Parameters: mtp `enorm, hnorm, eh_proj, layers.{j}.*, norm`; eagle1 `fc (+bias),
-    layers.{j}.*` (layer 0 without input_layernorm)."""
+    layers.{j}.*` (layer 0 without input_layernorm); buffers `d2t`, `t2d` with a reduced draft vocabulary."""
 
     def __init__(
         self,
@@ -71,6 +77,10 @@ class DraftHead(nn.Module):
             rotary = RotaryEmbedding(config)
         self._borrowed = _Borrowed(embed_tokens, lm_head, rotary)
         self.backend = backend or TorchAttention()
+        if head_config.draft_vocab_size is not None:  # placeholder map (ids 0..N-1) until set_draft_vocab/load
+            n, vocab = head_config.draft_vocab_size, config.vocab_size
+            self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(vocab) < n)
 
     # ---- construction -------------------------------------------------------------------------------------------
 
@@ -122,6 +132,19 @@ class DraftHead(nn.Module):
         d = self.config.hidden_size
         proj.weight[:, d:].copy_(torch.eye(d))  # [d, 2d]: columns d.. read the hidden state
 
+    @torch.no_grad()
+    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
+        """Use the target ids `draft_ids` (strictly increasing, `draft_vocab_size` of them) as the draft vocabulary."""
+        n = self.head_config.draft_vocab_size
+        if n is None:
+            raise ValueError("this head has the full vocabulary (head_config.draft_vocab_size is None)")
+        draft_ids = draft_ids.to(device=self.d2t.device, dtype=torch.long)
+        if draft_ids.numel() != n:
+            raise ValueError(f"expected {n} draft ids, got {draft_ids.numel()}")
+        check_draft_ids(draft_ids, self.config.vocab_size)
+        self.d2t.copy_(d2t_from_ids(draft_ids))
+        self.t2d.copy_(t2d_from_ids(draft_ids, self.config.vocab_size))
+
     def new_kv_cache(self, allocator: PageAllocator) -> KVCache:
         """The head's own paged K/V storage over the target's allocator (one entry per head layer)."""
         c = self.config
@@ -150,6 +173,31 @@ class DraftHead(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         """The target's lm_head matrix [vocab, d], detached (losses recompute logits from it chunk by chunk)."""
         return self._borrowed.lm_head.weight.detach()
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """N: how many tokens the head's logits cover (the target's vocab_size when the vocabulary is full)."""
+        return self.head_config.draft_vocab_size or self.config.vocab_size
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """[N] int64 target id of each draft id, or None with the full vocabulary (draft id = target id)."""
+        if self.head_config.draft_vocab_size is None:
+            return None
+        return ids_from_d2t(self.d2t)
+
+    @property
+    def draft_weight(self) -> torch.Tensor:
+        """The output projection [N, d]: the lm_head rows of the draft vocabulary (all of it when full), detached.
+        Cached while neither the lm_head nor d2t changes."""
+        weight = self.lm_head_weight
+        if self.head_config.draft_vocab_size is None:
+            return weight
+        key = (weight.data_ptr(), weight.dtype, weight.device, self.d2t.data_ptr(), self.d2t._version)
+        if self._borrowed.draft_weight_key != key:
+            self._borrowed.draft_weight = weight.index_select(0, ids_from_d2t(self.d2t).to(weight.device))
+            self._borrowed.draft_weight_key = key
+        return self._borrowed.draft_weight
 
     # ---- forward ------------------------------------------------------------------------------------------------
 
@@ -185,6 +233,7 @@ class DraftHead(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
     def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
-        """[n, d] head output -> [n, vocab] fp32 logits through the target's frozen lm_head."""
-        weight = self.lm_head_weight
+        """[n, d] head output -> [n, N] fp32 logits over the draft vocabulary (N = vocab with the full one) through
+        the target's frozen lm_head rows; map draft ids to target ids with `draft_ids`."""
+        weight = self.draft_weight
         return F.linear(out_hidden.to(weight.dtype), weight).float()

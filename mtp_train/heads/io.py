@@ -12,6 +12,7 @@ from mtp_train.errors import UserError
 from mtp_train.fileio import atomic_write_bytes
 from mtp_train.heads.config import HeadConfig
 from mtp_train.heads.draft_head import DraftHead
+from mtp_train.heads.vocab import check_d2t_t2d
 from mtp_train.runtime.model import CausalLM
 
 WEIGHTS_FILENAME = "model.safetensors"
@@ -111,5 +112,10 @@ def load_head(
         head_config, str(weights_path),
     )
     dtype = dtype or target.dtype
-    head.load_state_dict({k: v.to(device=target.device, dtype=dtype) for k, v in state.items()}, assign=True)
+    head.load_state_dict(
+        {k: v.to(device=target.device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()},
+        assign=True,
+    )
+    if head_config.draft_vocab_size is not None:
+        check_d2t_t2d(head.d2t, head.t2d, str(weights_path))
     return head

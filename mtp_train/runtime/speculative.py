@@ -201,6 +201,19 @@ class Proposer:
         self.allocator = allocator
         self.device = device
         self.forwards = 0
+        # A draft with a reduced vocabulary: draft logits are [m, N] and draft id i is target id draft_ids[i].
+        self.draft_ids: torch.Tensor | None = None  # [N] int64
+        self.target_vocab_size: int | None = None
+
+    def _to_target(self, drafted: torch.Tensor, step_probs: torch.Tensor | None):
+        """Draft ids [m] -> target ids; draft-vocabulary probabilities [m, N] -> [m, V], zero outside the draft
+        vocabulary (rejection sampling stays exact: q is the distribution the draft was sampled from)."""
+        if self.draft_ids is None:
+            return drafted, step_probs
+        if step_probs is not None:
+            full = step_probs.new_zeros(step_probs.shape[0], self.target_vocab_size)
+            step_probs = full.index_copy_(1, self.draft_ids, step_probs)
+        return self.draft_ids[drafted], step_probs
 
     def catch_up(self, requests: list[_Request]) -> None:
         raise NotImplementedError
@@ -243,6 +256,7 @@ class Proposer:
             else:
                 step_probs = processed_probs(logits, sampling)  # [m, vocab]
                 drafted = sample_from_probs(step_probs, generator)  # [m]
+            drafted, step_probs = self._to_target(drafted, step_probs)  # target ids, [m, V] probabilities
             drafted_ids = drafted.tolist()
             prob_rows = step_probs.unbind(0) if step_probs is not None else None
             for i, b in enumerate(rows):
@@ -254,7 +268,7 @@ class Proposer:
             draft_token_ids = torch.tensor(tokens[b], dtype=torch.long, device=self.device)
             draft_probs = None
             if not sampling.greedy:
-                vocab = requests[b].draft_logits.shape[-1]
+                vocab = self.target_vocab_size or requests[b].draft_logits.shape[-1]
                 draft_probs = torch.stack(probs[b]) if probs[b] else torch.zeros(0, vocab, device=self.device)
             proposals.append(DraftProposal(draft_token_ids, draft_probs))
         return proposals
@@ -270,6 +284,9 @@ class MTPChainProposer(Proposer):
     def __init__(self, head, allocator: PageAllocator, device: torch.device):
         super().__init__(head.new_kv_cache(allocator), allocator, device)
         self.head = head
+        draft_ids = getattr(head, "draft_ids", None)
+        if draft_ids is not None:  # a reduced draft vocabulary
+            self.draft_ids, self.target_vocab_size = draft_ids.to(device), head.config.vocab_size
 
     def catch_up(self, requests: list[_Request]) -> None:
         """Rows (H_i, t_{i+1}) for i = hidden_start .. L-2: rebuilds the head's cache from where the draft chain

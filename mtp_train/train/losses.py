@@ -23,59 +23,90 @@ from mtp_train.runtime.attention import BatchInfo
 
 @dataclass
 class DistillSums:
-    """Sums over rows (divide by the row count for means; sums add up across micro-batches and ranks)."""
+    """Sums over rows (divide by the row count for means; sums add up across micro-batches and ranks).
 
-    kl: torch.Tensor  # [] fp32: Σ_rows KL(p || q); differentiable w.r.t. the draft hidden states
-    top1: torch.Tensor  # [] fp32: rows where argmax q == argmax p
-    top3: torch.Tensor  # [] fp32: rows where argmax p is in the top-3 of q
+    With a reduced draft vocabulary the KL is taken against the target distribution restricted to the draft vocabulary
+    and renormalized, over the rows whose target argmax lies inside it (`inside`); top1/top3/alpha always compare with
+    the full-vocabulary target distribution, over all rows (a row whose argmax is outside counts as a miss)."""
+
+    kl: torch.Tensor  # [] fp32: Σ_inside-rows KL(p || q); differentiable w.r.t. the draft hidden states
+    top1: torch.Tensor  # [] fp32: rows where the draft's argmax is the target's argmax
+    top3: torch.Tensor  # [] fp32: rows where the target's argmax is in the draft's top 3
     alpha: torch.Tensor  # [] fp32: Σ_rows Σ_v min(p_v, q_v) (expected acceptance of a sampled draft token)
+    inside: torch.Tensor  # [] fp32: rows whose target argmax is in the draft vocabulary (all rows when full)
 
 
-def _chunk_metrics(draft_logp: torch.Tensor, target_logp: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per-chunk sums from log-probabilities [c, V]: (kl, top1, top3, alpha)."""
-    kl = (target_logp.exp() * (target_logp - draft_logp)).sum()
-    target_top = target_logp.argmax(-1)  # [c]
-    top1 = (draft_logp.argmax(-1) == target_top).sum()
-    draft_top3 = draft_logp.topk(min(3, draft_logp.shape[-1]), dim=-1).indices  # [c, 3]
+def _chunk_metrics(
+    draft_logp: torch.Tensor,  # [c, N] over the draft vocabulary
+    target_logits: torch.Tensor,  # [c, V] fp32, full vocabulary
+    draft_ids: torch.Tensor | None,  # [N] target id of each draft id; None = full vocabulary
+    target_in_draft: torch.Tensor | None,  # [V] bool (t2d); None = full vocabulary
+) -> tuple[torch.Tensor, ...]:
+    """Per-chunk sums (kl, top1, top3, alpha, inside) and the restricted target log-probs [c, N] used for the KL, and
+    the inside mask [c] (None when full)."""
+    target_top = target_logits.argmax(-1)  # [c] target ids
+    draft_top3 = draft_logp.topk(min(3, draft_logp.shape[-1]), dim=-1).indices  # [c, 3] draft ids
+    if draft_ids is None:
+        target_logp = target_logits.log_softmax(-1)  # [c, V]
+        inside_rows = None
+        kl_rows = (target_logp.exp() * (target_logp - draft_logp)).sum(-1)
+        alpha = torch.minimum(draft_logp, target_logp).exp().sum()  # min(p, q) = exp(min(log p, log q))
+        inside = torch.tensor(float(target_top.numel()), device=target_logits.device)
+    else:
+        draft_top3 = draft_ids[draft_top3]  # [c, 3] target ids
+        full_logp_at_draft = target_logits.log_softmax(-1)[:, draft_ids]  # [c, N] log p over the draft ids
+        target_logp = target_logits[:, draft_ids].log_softmax(-1)  # [c, N] restricted and renormalized
+        inside_rows = target_in_draft[target_top]  # [c] bool
+        kl_rows = (target_logp.exp() * (target_logp - draft_logp)).sum(-1) * inside_rows
+        alpha = torch.minimum(draft_logp, full_logp_at_draft).exp().sum()  # q = 0 outside the draft vocabulary
+        inside = inside_rows.sum()
+    top1 = (draft_top3[:, 0] == target_top).sum()
     top3 = (draft_top3 == target_top[:, None]).any(-1).sum()
-    alpha = torch.minimum(draft_logp, target_logp).exp().sum()  # min(p, q) = exp(min(log p, log q))
-    return kl.float(), top1.float(), top3.float(), alpha.float()
+    sums = tuple(value.float() for value in (kl_rows.sum(), top1, top3, alpha, inside))
+    return sums, target_logp, inside_rows
 
 
-def _log_probs(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[c, d] -> [c, V] fp32 log-softmax of the frozen lm_head's logits (matmul in the lm_head's dtype, like the
+def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[c, d] -> [c, rows of weight] fp32 logits of the frozen lm_head (matmul in the lm_head's dtype, like the
     runtime's `compute_logits`)."""
-    return F.linear(hidden.to(weight.dtype), weight).float().log_softmax(-1)
+    return F.linear(hidden.to(weight.dtype), weight).float()
 
 
 class _ChunkedDistill(torch.autograd.Function):
     """Σ_rows KL(p || q), `chunk_size` rows at a time. While a chunk's logits exist, forward also computes that
     chunk's gradient dKL/d(out) = (q - p) @ W (the fused linear-cross-entropy trick): only [N, d] is kept, never
-    [N, V], and backward recomputes nothing (3 vocab matmuls per chunk instead of 5); it scales by the incoming
-    gradient."""
+    [N, V], and backward recomputes nothing; it scales by the incoming gradient. With a draft vocabulary, q and its
+    gradient live on the draft rows W[draft_ids] only; the target's full logits are still computed (forward only) for
+    its argmax and the full-vocabulary metrics."""
 
     @staticmethod
-    def forward(ctx, draft_hidden, target_hidden, weight, chunk_size: int):
+    def forward(ctx, draft_hidden, target_hidden, weight, chunk_size: int, draft_ids, target_in_draft):
         needs_grad = ctx.needs_input_grad[0]
         grad = torch.empty(draft_hidden.shape, dtype=torch.float32, device=draft_hidden.device) if needs_grad else None
-        sums = torch.zeros(4, dtype=torch.float32, device=draft_hidden.device)  # kl, top1, top3, alpha
+        draft_weight = weight if draft_ids is None else weight.index_select(0, draft_ids)  # [N, d]
+        sums = torch.zeros(5, dtype=torch.float32, device=draft_hidden.device)  # kl, top1, top3, alpha, inside
         for start in range(0, draft_hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            draft_logp, target_logp = _log_probs(draft_hidden[rows], weight), _log_probs(target_hidden[rows], weight)
-            sums += torch.stack(_chunk_metrics(draft_logp, target_logp))
-            if needs_grad:  # d KL(p || q) / d draft_logits = q - p per row (the KL is summed over rows)
-                q_minus_p = draft_logp.exp_().sub_(target_logp.exp_())  # [c, V], in place
-                grad[rows] = (q_minus_p.to(weight.dtype) @ weight).float()
+            draft_logp = _logits(draft_hidden[rows], draft_weight).log_softmax(-1)  # [c, N]
+            chunk_sums, target_logp, inside_rows = _chunk_metrics(
+                draft_logp, _logits(target_hidden[rows], weight), draft_ids, target_in_draft
+            )
+            sums += torch.stack(chunk_sums)
+            if needs_grad:  # d KL(p || q) / d draft_logits = q - p per counted row (the KL is summed over rows)
+                q_minus_p = draft_logp.exp_().sub_(target_logp.exp_())  # [c, N], in place
+                if inside_rows is not None:
+                    q_minus_p.mul_(inside_rows[:, None])
+                grad[rows] = (q_minus_p.to(draft_weight.dtype) @ draft_weight).float()
         ctx.save_for_backward(grad)
         ctx.grad_dtype = draft_hidden.dtype
-        kl, top1, top3, alpha = (value.clone() for value in sums.unbind())  # independent outputs, not views
-        ctx.mark_non_differentiable(top1, top3, alpha)
-        return kl, top1, top3, alpha
+        kl, top1, top3, alpha, inside = (value.clone() for value in sums.unbind())  # independent outputs, not views
+        ctx.mark_non_differentiable(top1, top3, alpha, inside)
+        return kl, top1, top3, alpha, inside
 
     @staticmethod
     def backward(ctx, grad_kl, *_unused):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_kl).to(ctx.grad_dtype), None, None, None
+        return (grad * grad_kl).to(ctx.grad_dtype), None, None, None, None, None
 
 
 def distill_sums(
@@ -83,20 +114,33 @@ def distill_sums(
     target_next_hidden: torch.Tensor,  # [N, d] H_{i+1} for those rows
     lm_head_weight: torch.Tensor,  # [V, d] the target's frozen lm_head
     chunk_size: int | None = 1024,
+    draft_ids: torch.Tensor | None = None,  # [N_draft] target ids of the draft vocabulary; None = full
 ) -> DistillSums:
-    """KL(p_target || q_head) and accuracy metrics, summed over rows. `chunk_size=None` computes the full [N, V]
-    logits with plain autograd (reference for tests and benchmarks). Gradient flows to `draft_hidden` only."""
+    """KL(p_target || q_head) and accuracy metrics, summed over rows (see `DistillSums`). `chunk_size=None` computes
+    the full logits with plain autograd (reference for tests and benchmarks). Gradient flows to `draft_hidden` only."""
     weight = lm_head_weight.detach()
     target_next_hidden = target_next_hidden.detach()
+    target_in_draft = None
+    if draft_ids is not None:
+        draft_ids = draft_ids.to(device=weight.device, dtype=torch.long)
+        target_in_draft = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
+        target_in_draft[draft_ids] = True
     if chunk_size is None:
-        return DistillSums(*_chunk_metrics(_log_probs(draft_hidden, weight), _log_probs(target_next_hidden, weight)))
+        draft_weight = weight if draft_ids is None else weight[draft_ids]
+        sums, _, _ = _chunk_metrics(
+            _logits(draft_hidden, draft_weight).log_softmax(-1), _logits(target_next_hidden, weight),
+            draft_ids, target_in_draft,
+        )
+        return DistillSums(*sums)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
     if draft_hidden.device.type == "cpu":  # keep each [rows, V] fp32 block below glibc's mmap threshold
         from mtp_train.runtime.cpu import CPU_BLOCK_BYTES
 
         chunk_size = max(1, min(chunk_size, CPU_BLOCK_BYTES // (4 * weight.shape[0])))
-    return DistillSums(*_ChunkedDistill.apply(draft_hidden, target_next_hidden, weight, chunk_size))
+    return DistillSums(
+        *_ChunkedDistill.apply(draft_hidden, target_next_hidden, weight, chunk_size, draft_ids, target_in_draft)
+    )
 
 
 def feature_loss_sum(draft_hidden: torch.Tensor, target_next_hidden: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
@@ -110,10 +154,11 @@ class StepLosses:
     """One unroll step's losses, averaged over its counted rows (0 when none)."""
 
     feature: torch.Tensor  # [] differentiable
-    kl: torch.Tensor  # [] differentiable
-    top1: torch.Tensor  # [] detached, in [0, 1]
+    kl: torch.Tensor  # [] differentiable (mean over the counted rows whose target argmax is in the draft vocabulary)
+    top1: torch.Tensor  # [] detached, in [0, 1], against the full-vocabulary target argmax
     top3: torch.Tensor  # [] detached
     alpha: torch.Tensor  # [] detached
+    coverage: torch.Tensor  # [] detached: share of counted rows whose target argmax is in the draft vocabulary
     rows: int  # counted rows
 
 
@@ -124,21 +169,24 @@ def step_losses(
     lm_head_weight: torch.Tensor,  # [V, d]
     chunk_size: int | None = 1024,
     feature_beta: float = 1.0,
+    draft_ids: torch.Tensor | None = None,  # [N] the draft vocabulary's target ids; None = full
 ) -> StepLosses:
-    """Feature and KL losses (means over counted rows) and accuracy metrics for one step."""
+    """Feature and KL losses (means over counted rows; the KL over those inside the draft vocabulary) and accuracy
+    metrics for one step."""
     counted = row_mask.nonzero().squeeze(1)  # [N]
     rows = int(counted.numel())
     if rows == 0:  # keep the graph connected so backward still runs
         zero = draft_hidden.sum().float() * 0.0
-        return StepLosses(zero, zero, zero.detach(), zero.detach(), zero.detach(), 0)
+        return StepLosses(zero, zero, zero.detach(), zero.detach(), zero.detach(), zero.detach(), 0)
     draft, target = draft_hidden[counted], target_next_hidden[counted]  # [N, d]
-    sums = distill_sums(draft, target, lm_head_weight, chunk_size)
+    sums = distill_sums(draft, target, lm_head_weight, chunk_size, draft_ids)
     return StepLosses(
         feature=feature_loss_sum(draft, target, feature_beta) / rows,
-        kl=sums.kl / rows,
+        kl=sums.kl / sums.inside.clamp(min=1.0),
         top1=sums.top1.detach() / rows,
         top3=sums.top3.detach() / rows,
         alpha=sums.alpha.detach() / rows,
+        coverage=sums.inside.detach() / rows,
         rows=rows,
     )
 
@@ -202,7 +250,8 @@ def unrolled_losses(
     is an assistant token). `head` is called as `head(token_ids, hidden, batch)` and must expose `lm_head_weight`.
 
     Metrics (detached 0-dim tensors, left on the device; `rows` are ints): `loss`, and per step k `step{k}/feature`,
-    `/kl`, `/top1`, `/top3`, `/alpha` (means over counted rows), `/rows`.
+    `/kl`, `/top1`, `/top3`, `/alpha`, `/coverage` (means over counted rows), `/rows`. A head with a reduced draft
+    vocabulary exposes `draft_ids` ([N] target ids): its KL is restricted to it (see `distill_sums`).
     """
     if sum(lengths) != token_ids.shape[0] or any(n < 0 for n in lengths):
         raise ValueError(f"lengths {lengths} do not partition the {token_ids.shape[0]} packed tokens")
@@ -222,10 +271,13 @@ def unrolled_losses(
         positions = rows.local + (k - 1)
         batch = _step_batch(rows.lengths, positions, device)
         out = head(token_ids[rows.read], hidden, batch)  # [R, d]
-        losses = step_losses(out, target_hidden[rows.read], rows.counted, head.lm_head_weight, chunk_size, feature_beta)
+        losses = step_losses(
+            out, target_hidden[rows.read], rows.counted, head.lm_head_weight, chunk_size, feature_beta,
+            getattr(head, "draft_ids", None),
+        )
         step_loss = step_weight_decay ** (k - 1) * (feature_weight * losses.feature + kl_weight * losses.kl)
         total = step_loss if total is None else total + step_loss
-        for name in ("feature", "kl", "top1", "top3", "alpha"):
+        for name in ("feature", "kl", "top1", "top3", "alpha", "coverage"):
             metrics[f"step{k}/{name}"] = getattr(losses, name).detach()
         metrics[f"step{k}/rows"] = losses.rows
         previous_out, previous_lengths = out, rows.lengths

@@ -126,6 +126,32 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
+_STEP_METRICS = ("feature", "kl", "top1", "top3", "alpha", "coverage")
+
+
+def _choose_draft_vocab(head, target, features_dir: Path, source: str, is_main: bool) -> float:
+    """Set the head's draft vocabulary to the top-N labels of the training features (rank 0 counts and caches them,
+    the others wait and read the cache); returns the coverage of the counted labels."""
+    import torch.distributed as dist
+
+    from mtp_train.features.draft_vocab import load_or_count
+    from mtp_train.heads.vocab import coverage, select_draft_vocab
+
+    weight = target.lm_head.weight.detach() if source == "target" else None
+    vocab_size = target.config.vocab_size
+    with torch.inference_mode():
+        if is_main:
+            load_or_count(features_dir, source, vocab_size, weight)
+        dist.barrier()
+        counts = load_or_count(features_dir, source, vocab_size, weight, progress=False)
+    draft_ids = select_draft_vocab(counts, head.head_config.draft_vocab_size)
+    head.set_draft_vocab(draft_ids)
+    share = coverage(counts, draft_ids)
+    if is_main:
+        print(f"train: draft vocabulary of {draft_ids.numel()} tokens ({source} labels) covers {share:.2%} of them")
+    return share
+
+
 def _checkpoints(ckpt_dir: Path) -> list[Path]:
     found = [p for p in ckpt_dir.glob("step-*") if p.is_dir() and (p / "client_state.json").is_file()]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
@@ -187,6 +213,9 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
     )
     torch.manual_seed(train.seed)
     head = DraftHead.from_target(target, head_config, dtype=torch.float32)
+    draft_vocab_coverage = None
+    if head_config.draft_vocab_size is not None:
+        draft_vocab_coverage = _choose_draft_vocab(head, target, features_dir, head_options.draft_vocab_source, is_main)
 
     batches_per_epoch = train_reader.batches_per_epoch()
     steps_per_epoch = max(1, batches_per_epoch // train.grad_accum)
@@ -290,7 +319,7 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
             for k in range(1, train.unroll_steps + 1):
                 rows = metrics.get(f"step{k}/rows", 0)
                 sums[f"step{k}/rows"] = sums.get(f"step{k}/rows", 0) + rows
-                for name in ("feature", "kl", "top1", "top3", "alpha"):
+                for name in _STEP_METRICS:
                     if f"step{k}/{name}" in metrics:
                         sums[f"step{k}/{name}"] = sums.get(f"step{k}/{name}", 0.0) + float(metrics[f"step{k}/{name}"]) * rows
             sums["loss"] = sums.get("loss", 0.0) + float(metrics["loss"]) / train.grad_accum
@@ -309,7 +338,7 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
                "tokens": int(totals["tokens"]), "epoch": train_reader.epoch}
         for k in range(1, train.unroll_steps + 1):
             rows = totals.get(f"step{k}/rows", 0)
-            for name in ("feature", "kl", "top1", "top3", "alpha"):
+            for name in _STEP_METRICS:
                 if rows and f"step{k}/{name}" in totals:
                     row[f"train/step{k}/{name}"] = totals[f"step{k}/{name}"] / rows
         elapsed = time.perf_counter() - started
@@ -336,6 +365,8 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
     if is_main:
         summary = {"steps": step, "tokens": tokens_seen * world_size, "train_seconds": time.perf_counter() - started,
                    "world_size": world_size, "head_dir": str(head_dir), "target_fingerprint": fingerprint,
+                   "draft_vocab_size": head_config.draft_vocab_size or target.config.vocab_size,
+                   "draft_vocab_coverage": draft_vocab_coverage if draft_vocab_coverage is not None else 1.0,
                    **{f"val/{k}": v for k, v in last_validation.items()}}
         tracker.finish(summary)
         print(f"train: {step} steps; head saved to {head_dir}; held-out step-1 top-1 "

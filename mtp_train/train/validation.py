@@ -38,28 +38,41 @@ def validate(head, reader, loss_kwargs: dict, device: torch.device, page_size: i
         sequences = [Sequence(i) for i in range(len(row_counts))]
         info = BatchInfo.for_sequences(sequences, row_counts, allocator, device)
         out = head(token_ids[read], hidden[read - 1], info, kv_cache=cache)  # [R, d]
-        step1 = step_losses(out, hidden[read], counted, head.lm_head_weight, loss_kwargs.get("chunk_size"))
+        step1 = step_losses(
+            out, hidden[read], counted, head.lm_head_weight, loss_kwargs.get("chunk_size"),
+            draft_ids=getattr(head, "draft_ids", None),
+        )
         for seq in sequences:
             seq.release(allocator)
-        rows = step1.rows
-        sums["step1/rows"] = sums.get("step1/rows", 0) + rows
-        for name in ("feature", "kl", "top1", "top3", "alpha"):
-            sums[f"step1/{name}"] = sums.get(f"step1/{name}", 0.0) + float(getattr(step1, name)) * rows
+        _add(sums, 1, {name: getattr(step1, name) for name in _METRICS}, step1.rows)
         # Steps 2..k from the unroll (training forward, no cache).
         if loss_kwargs.get("unroll_steps", 1) > 1:
             _, metrics = unrolled_losses(head, token_ids, hidden, loss_mask, batch.lengths, **loss_kwargs)
             for k in range(2, loss_kwargs["unroll_steps"] + 1):
-                rows_k = metrics.get(f"step{k}/rows", 0)
-                sums[f"step{k}/rows"] = sums.get(f"step{k}/rows", 0) + rows_k
-                for name in ("feature", "kl", "top1", "top3", "alpha"):
-                    if f"step{k}/{name}" in metrics:
-                        sums[f"step{k}/{name}"] = sums.get(f"step{k}/{name}", 0.0) + float(metrics[f"step{k}/{name}"]) * rows_k
+                if f"step{k}/kl" in metrics:
+                    _add(sums, k, {name: metrics[f"step{k}/{name}"] for name in _METRICS}, metrics[f"step{k}/rows"])
     head.train(was_training)
     result: dict[str, float] = {}
     for key, value in sums.items():
-        if key.endswith("/rows"):
-            result[key] = int(value)
-        else:
-            rows = sums[key.split("/")[0] + "/rows"]
-            result[key] = value / rows if rows else float("nan")
+        step, name = key.split("/")
+        if name in ("rows", "inside"):
+            if name == "rows":
+                result[key] = int(value)
+            continue
+        # The KL is a mean over the rows inside the draft vocabulary, everything else over all counted rows.
+        rows = sums[f"{step}/inside" if name == "kl" else f"{step}/rows"]
+        result[key] = value / rows if rows else float("nan")
     return result
+
+
+_METRICS = ("feature", "kl", "top1", "top3", "alpha", "coverage")
+
+
+def _add(sums: dict[str, float], step: int, means: dict, rows: int) -> None:
+    """Accumulate one batch's per-step means as sums (the KL weighted by its inside-vocabulary row count)."""
+    inside = float(means["coverage"]) * rows
+    sums[f"step{step}/rows"] = sums.get(f"step{step}/rows", 0) + rows
+    sums[f"step{step}/inside"] = sums.get(f"step{step}/inside", 0.0) + inside
+    for name in _METRICS:
+        weight = inside if name == "kl" else rows
+        sums[f"step{step}/{name}"] = sums.get(f"step{step}/{name}", 0.0) + float(means[name]) * weight
