@@ -9,7 +9,12 @@ from typing import Any
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.export.common import BLOCK_KEY, DTYPE_NAMES, LayerShape, TargetInfo
+from mtp_train.export.common import (
+    BLOCK_KEY,
+    TENSOR_DTYPE_NAMES,
+    LayerShape,
+    TargetInfo,
+)
 from mtp_train.heads.config import HeadConfig
 
 _MISSING = object()
@@ -103,7 +108,7 @@ class ExportFormat:
         dtype: torch.dtype,
         options: dict[str, Any],
     ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-        """(tensors for model.safetensors, {json file name: content})."""
+        """(tensors for model.safetensors, {file name: JSON content, or bytes written as they are})."""
         raise NotImplementedError
 
     # ---- reading back ---------------------------------------------------------------------------------------------
@@ -162,8 +167,9 @@ class ExportFormat:
 
     @staticmethod
     def dtype_problems(config: dict[str, Any], tensors: dict[str, tuple[tuple[int, ...], str]], key: str, source: str) -> list[str]:
+        """`config[key]` (torch_dtype) against the floating-point tensors (d2t/t2d keep int64/bool; checked apart)."""
         declared = config.get(key)
-        found = sorted({dtype for _, dtype in tensors.values()})
+        found = sorted({dtype for name, (_, dtype) in tensors.items() if name not in ("d2t", "t2d")})
         if declared is None or not found:
             return []
         if found != [declared]:
@@ -183,4 +189,44 @@ def layer_shape_problems(config: dict, target, source: str) -> list[str]:
 
 
 def dtype_name(tensor: torch.Tensor) -> str:
-    return DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+    return TENSOR_DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+
+
+def declared_draft_vocab(config: dict[str, Any]) -> dict[str, Any]:
+    """The draft vocabulary sizes an exported config.json declares: its top-level `draft_vocab_size` and its
+    `mtp_train.head_config.draft_vocab_size`, each only when present and not null."""
+    block = config.get(BLOCK_KEY) if isinstance(config.get(BLOCK_KEY), dict) else {}
+    head = block.get("head_config") if isinstance(block.get("head_config"), dict) else {}
+    found = {
+        "draft_vocab_size": config.get("draft_vocab_size"),
+        f"{BLOCK_KEY}.head_config.draft_vocab_size": head.get("draft_vocab_size"),
+    }
+    return {key: value for key, value in found.items() if value is not None}
+
+
+def draft_vocab_size_of(config: dict[str, Any]) -> int | None:
+    """N for a format that carries a draft vocabulary (None = the full vocabulary): the top-level `draft_vocab_size`,
+    which must equal `mtp_train.head_config.draft_vocab_size` and lie in [1, vocab_size]; a UserError otherwise."""
+    declared = declared_draft_vocab(config)
+    top = declared.get("draft_vocab_size")
+    recorded = declared.get(f"{BLOCK_KEY}.head_config.draft_vocab_size")
+    if top != recorded:
+        raise UserError(
+            f"draft_vocab_size={top!r} but {BLOCK_KEY}.head_config.draft_vocab_size={recorded!r} (both must name the "
+            "same draft vocabulary, or both be absent/null for the full vocabulary)"
+        )
+    if top is None:
+        return None
+    vocab = config.get("vocab_size")
+    if not isinstance(top, int) or isinstance(top, bool) or not (isinstance(vocab, int) and 1 <= top <= vocab):
+        raise UserError(f"draft_vocab_size={top!r}; expected an integer between 1 and vocab_size={vocab!r}")
+    return top
+
+
+def no_draft_vocab_problems(config: dict[str, Any], format_name: str, why: str, source: str) -> list[str]:
+    """For a format whose loaders have no draft vocabulary: a problem naming any declared one."""
+    declared = declared_draft_vocab(config)
+    if not declared:
+        return []
+    listed = ", ".join(f"{key}={value!r}" for key, value in declared.items())
+    return [f"{source}: {listed}, but format {format_name} cannot carry a reduced draft vocabulary ({why})"]

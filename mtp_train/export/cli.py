@@ -15,7 +15,8 @@ def register(subparsers) -> None:
         description="Convert a native head directory (model.safetensors + head_config.json) into one serving "
         "format. Formats: native (our runtime), deepseek-mtp (DeepSeek-V3 MTP layout; MTP heads), eagle (EAGLE-1 "
         "layout, SGLang; EAGLE-1 heads), speculators (vLLM speculators 'eagle'; EAGLE-1 heads). A head a format "
-        "cannot represent is refused with what would be lost. See docs/export.md.",
+        "cannot represent is refused with what would be lost. A reduced draft vocabulary is written by native (d2t/t2d) "
+        "and eagle (SGLang --speculative-token-map file); deepseek-mtp and speculators refuse it. See docs/export.md.",
     )
     p.add_argument("--head", required=True, help="the head directory (a run's head/ or a save_head output)")
     p.add_argument("--format", required=True, help=f"one of: {', '.join(FORMAT_NAMES)}")

@@ -8,6 +8,10 @@ Conventions (see docs/export.md):
   norm, i.e. what the lm_head reads; the MTP head feeds its own post-norm output back, the EAGLE-1 head its raw
   layer output).
 - Names inside a head's decoder layer are transformers' (`self_attn.q_proj.weight`, ...), the same in every format.
+- A head with a reduced draft vocabulary (`HeadConfig.draft_vocab_size` = N) carries it as the EAGLE-3 pair
+  `d2t` int64 [N] (target id = i + d2t[i]) and `t2d` bool [V] where the format stores tensors for it (native), as
+  SGLang's `--speculative-token-map` file where that is how the engine reads it (eagle), and is refused by formats
+  whose loaders have no draft vocabulary (deepseek-mtp, speculators). Full-vocabulary heads are written as before.
 """
 
 from __future__ import annotations
@@ -42,7 +46,13 @@ ENGINE_CONFIG_FIELDS = [
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # safetensors dtype strings (as `get_dtype()` reports them) -> our names.
-SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+SAFETENSORS_DTYPES = {
+    "F32": "float32", "BF16": "bfloat16", "F16": "float16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}
+# The draft-vocabulary tensors (heads.vocab), under the names vLLM/SGLang/speculators read for EAGLE-3, and their dtypes.
+DRAFT_VOCAB_TENSORS = {"d2t": "int64", "t2d": "bool"}
+TENSOR_DTYPE_NAMES = {**DTYPE_NAMES, torch.int64: "int64", torch.bool: "bool"}
 
 # What the head reads and feeds back, recorded in every exported config.
 HIDDEN_STATE_INPUT = "final_norm_output"  # H_i: the target's last decoder layer after its final norm
@@ -140,8 +150,11 @@ class LayerShape:
         return asdict(self)
 
 
-def native_tensors(kind: str, num_layers: int, shape: LayerShape) -> dict[str, tuple[int, ...]]:
-    """Native (DraftHead state-dict) name -> shape for a head of `kind` with `num_layers` layers."""
+def native_tensors(
+    kind: str, num_layers: int, shape: LayerShape, draft_vocab_size: int | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Native (DraftHead state-dict) name -> shape for a head of `kind` with `num_layers` layers (plus `d2t` [N] and
+    `t2d` [V] with a reduced draft vocabulary of N tokens)."""
     d = shape.hidden_size
     out: dict[str, tuple[int, ...]] = {}
     if kind == "mtp":
@@ -153,7 +166,61 @@ def native_tensors(kind: str, num_layers: int, shape: LayerShape) -> dict[str, t
             out[f"layers.{j}.{suffix}"] = dims
     if kind == "mtp":
         out["norm.weight"] = (d,)
+    if draft_vocab_size is not None:
+        out["d2t"] = (int(draft_vocab_size),)
+        out["t2d"] = (shape.vocab_size,)
     return out
+
+
+def cast_floating(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating-point tensors in `dtype`; integer/bool ones (d2t, t2d) unchanged."""
+    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+
+
+def draft_ids_of(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The [N] target ids of a native state dict's draft vocabulary (from its d2t)."""
+    from mtp_train.heads.vocab import ids_from_d2t
+
+    return ids_from_d2t(state["d2t"])
+
+
+def draft_vocab_lost(head_config: HeadConfig, format_name: str, why: str, alternatives: str) -> str:
+    """The refusal of a reduced-vocabulary head by a format whose loaders have no draft vocabulary."""
+    return (
+        f"a head with a reduced draft vocabulary ({head_config.draft_vocab_size} of the target's "
+        f"{head_config.vocab_size} tokens, d2t/t2d) cannot be written as {format_name}: {why}, so the draft "
+        f"vocabulary would be lost (the head would draft over all {head_config.vocab_size} tokens); use {alternatives}"
+    )
+
+
+def draft_vocab_tensor_problems(
+    path: Path, header: dict[str, tuple[tuple[int, ...], str]], vocab_size: int, draft_vocab_size: int
+) -> list[str]:
+    """dtypes of `d2t`/`t2d` in a safetensors file (from its header) and, when both are readable, whether they describe
+    the same `draft_vocab_size` strictly increasing target ids (shapes are checked by the caller)."""
+    from mtp_train.heads.vocab import check_d2t_t2d
+
+    problems = []
+    for name, want in DRAFT_VOCAB_TENSORS.items():
+        if name in header and header[name][1] != want:
+            problems.append(f"{path}: tensor {name} is {header[name][1]}, expected {want}")
+    shapes_ok = (
+        header.get("d2t", ((),))[0] == (draft_vocab_size,) and header.get("t2d", ((),))[0] == (vocab_size,)
+    )
+    if problems or not shapes_ok:
+        return problems
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    except Exception as err:
+        return [f"{path}: could not read d2t/t2d ({err})"]
+    try:
+        check_d2t_t2d(d2t, t2d, str(path))
+    except UserError as err:
+        problems.append(str(err))
+    return problems
 
 
 # ---- the target -----------------------------------------------------------------------------------------------------
@@ -282,7 +349,8 @@ def check_native_state(
     state: dict[str, tuple[int, ...]], head_config: HeadConfig, shape: LayerShape, source: str
 ) -> None:
     """Names and shapes of a native state dict (name -> shape) against what `head_config` over `shape` implies."""
-    check_state_shapes(state, native_tensors(head_config.kind, head_config.num_layers, shape), head_config, source)
+    expected = native_tensors(head_config.kind, head_config.num_layers, shape, head_config.draft_vocab_size)
+    check_state_shapes(state, expected, head_config, source)
 
 
 def read_native_head(head_dir: str | os.PathLike[str], target: TargetInfo) -> tuple[dict[str, torch.Tensor], HeadConfig]:
@@ -301,6 +369,13 @@ def read_native_head(head_dir: str | os.PathLike[str], target: TargetInfo) -> tu
     if frozen:
         raise UserError(f"{weights}: holds the target's frozen tensor(s) {', '.join(frozen)}; not a head file")
     check_native_state({k: tuple(v.shape) for k, v in state.items()}, head_config, target.shape, str(weights))
+    if head_config.draft_vocab_size is not None:
+        from mtp_train.heads.vocab import check_d2t_t2d
+
+        for name, want in DRAFT_VOCAB_TENSORS.items():
+            if TENSOR_DTYPE_NAMES.get(state[name].dtype) != want:
+                raise UserError(f"{weights}: tensor {name} is {state[name].dtype}, expected {want}")
+        check_d2t_t2d(state["d2t"], state["t2d"], str(weights))
     return state, head_config
 
 

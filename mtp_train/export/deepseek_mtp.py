@@ -40,7 +40,12 @@ DeepSeek-V3 checkpoint; our runtime (`load_any_head`) reads it back exactly.
 
 The EAGLE-1 head cannot be written here (no enorm/hnorm/input_layernorm/final norm to put in those slots, and
 `eh_proj` has no bias: its fc.bias would be lost); a head with more than one layer neither (one MTP module = one
-block).
+block); a head with a reduced draft vocabulary (d2t/t2d) neither: the layout's `shared_head.head` is the full [V, d]
+lm_head, vLLM's `SharedHead` builds `ParallelLMHead(config.vocab_size, ...)` and its `load_weights` skips every name
+outside the MTP layers (a `d2t` would be dropped silently), and SGLang's `DeepseekV3ForCausalLMNextN` builds
+`lm_head = ParallelLMHead(config.vocab_size, ...)`; neither class has a `draft_id_to_target_id`/`hot_token_id`
+nor reads `draft_vocab_size` (only their EAGLE-3 classes do: vLLM llama_eagle3.py @
+00bd1493b3e82d6c13c68ee8a0e1c5a96707e190, SGLang llama_eagle3.py @ 03d5a7771f6082e7737a5f19cae7d1e863087013).
 """
 
 from __future__ import annotations
@@ -49,17 +54,22 @@ import re
 from typing import Any
 
 from mtp_train.errors import UserError
-from mtp_train.export.base import ExportFormat, layer_shape_problems
+from mtp_train.export.base import ExportFormat, layer_shape_problems, no_draft_vocab_problems
 from mtp_train.export.common import (
     BLOCK_KEY,
     ENGINE_CONFIG_FIELDS,
     LayerShape,
+    draft_vocab_lost,
     engine_config_from_target,
     mtp_train_block,
 )
 from mtp_train.heads.config import HeadConfig
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.weight$")
+_NO_DRAFT_VOCAB = (
+    "the layout's shared_head.head is the full [V, d] lm_head and neither vLLM DeepSeekMTP nor SGLang "
+    "DeepseekV3ForCausalLMNextN reads d2t, t2d or draft_vocab_size"
+)
 _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
 
 
@@ -71,10 +81,11 @@ class DeepSeekMTPFormat(ExportFormat):
 
     def refuse_reason(self, head_config: HeadConfig, target) -> str | None:
         if head_config.kind != "mtp":
+            others = "eagle, speculators" if head_config.draft_vocab_size is None else "eagle"  # speculators: no d2t
             return (
                 "an eagle1 head cannot be written as deepseek-mtp: the layout's enorm, hnorm, input_layernorm and "
                 "shared_head.norm would be norms the head does not have, and eh_proj has no bias, so fc.bias would be "
-                "lost; use --format eagle, speculators or native"
+                f"lost; use --format {others} or native"
             )
         if head_config.num_layers != 1:
             return (
@@ -82,6 +93,8 @@ class DeepSeekMTPFormat(ExportFormat):
                 "(num_nextn_predict_layers counts chained modules, each with its own enorm/hnorm/eh_proj), so layers "
                 "1.. would be lost; use --format native"
             )
+        if head_config.draft_vocab_size is not None:
+            return draft_vocab_lost(head_config, "deepseek-mtp", _NO_DRAFT_VOCAB, "--format native")
         return None
 
     def build(self, state, head_config, target, dtype, options):
@@ -141,6 +154,9 @@ class DeepSeekMTPFormat(ExportFormat):
             out[p + "shared_head.head.weight"] = (V, d)
         return out
 
+    def extra_problems(self, config, directory):
+        return no_draft_vocab_problems(config, self.name, _NO_DRAFT_VOCAB, str(directory / "config.json"))
+
     def target_problems(self, config, target):
         source = "config.json"
         problems = self.common_target_problems(config, target, source)
@@ -170,6 +186,11 @@ class DeepSeekMTPFormat(ExportFormat):
             raise UserError(
                 f"{source}: {BLOCK_KEY}.head_config says kind={head_config.kind!r}, num_layers={head_config.num_layers}; "
                 "a deepseek-mtp export holds an mtp head with one layer"
+            )
+        if head_config.draft_vocab_size is not None:
+            raise UserError(
+                f"{source}: {BLOCK_KEY}.head_config.draft_vocab_size={head_config.draft_vocab_size}; a deepseek-mtp "
+                f"export cannot carry a reduced draft vocabulary ({_NO_DRAFT_VOCAB})"
             )
         prefix = f"model.layers.{int(config['num_hidden_layers'])}."
         native: dict[str, Any] = {}

@@ -24,6 +24,22 @@ Layout written (n = the head's layers):
     config.json: the target's config with architectures = ["LlamaForCausalLMEagle"] (llama, mistral without a
     sliding window) or ["Qwen2ForCausalLMEagle"] (qwen2), num_hidden_layers = n, plus the mtp_train block.
 
+A reduced draft vocabulary (N of the target's V tokens) is carried the way SGLang's EAGLE (not EAGLE-3) worker reads
+one: as the `--speculative-token-map` file, `speculative_token_map.pt` = `torch.save` of the N target ids (a list of
+ints, increasing), which `load_token_map` reads with `torch.load(..., weights_only=True)` and `torch.tensor(...)`
+(python/sglang/srt/speculative/eagle_worker.py @ fba8eccd7ebe41bbdbf70ab3b6a2df1835f8b532). The worker then sets
+`hot_vocab_size` = N in the draft config (`LlamaForCausalLMEagle` sizes its lm_head with it), replaces the draft's
+lm_head by the target lm_head's rows `hot_token_id` (`set_embed_and_head`), softmaxes the draft logits over those N
+rows and maps the top-k draft ids back with `hot_token_id[topk_index]` -- exactly our head's logits over
+`draft_ids`. The checkpoint itself stays the plain EAGLE-1 tensor set: SGLang's `Qwen2ForCausalLM.load_weights`
+(python/sglang/srt/models/qwen2.py @ 0005b7e1e2523e7ed40a5f6a43a62e2306e95c55) indexes its parameters by name, so a
+`d2t`/`t2d` tensor in model.safetensors would fail to load (the Llama loader @ 00239548f1cd1a06ca145a5447a86738090a48f1
+only warns), and no EAGLE-1 loader reads them. config.json gets `draft_vocab_size: N` (informational; SGLang sets
+`hot_vocab_size` itself) and `mtp_train.speculative_token_map`. SGLang uses the map only when it is passed:
+`--speculative-token-map <out>/speculative_token_map.pt`; without it the head would draft over all V tokens.
+vLLM's EAGLE-1 class has no draft vocabulary (`LogitsProcessor(config.vocab_size)`, no `draft_id_to_target_id`;
+llama_eagle.py @ e1c4a55214c63e19e83f82ad6c552d82148bae0b), on top of its missing fc bias.
+
 An MTP head (restored norms) is refused: enorm, hnorm, layers.0.input_layernorm and the final norm have no slot in
 this layout. A Qwen3 head is refused (neither engine has an EAGLE-1 class with Qwen3's q_norm/k_norm), and a
 sliding-window Mistral head too (the engines' Llama block attends without the window).
@@ -31,20 +47,56 @@ sliding-window Mistral head too (the engines' Llama block attends without the wi
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
+import torch
+
 from mtp_train.errors import UserError
-from mtp_train.export.base import ExportFormat, layer_shape_problems
+from mtp_train.export.base import ExportFormat, draft_vocab_size_of, layer_shape_problems
 from mtp_train.export.common import (
     BLOCK_KEY,
+    DRAFT_VOCAB_TENSORS,
     ENGINE_CONFIG_FIELDS,
     MTP_NORMS_LOST,
     LayerShape,
+    cast_floating,
+    draft_ids_of,
     engine_config_from_target,
     mtp_train_block,
     native_tensors,
 )
 from mtp_train.heads.config import HeadConfig
+from mtp_train.heads.vocab import check_draft_ids, d2t_from_ids, t2d_from_ids
 
 EAGLE_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "mistral": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
+TOKEN_MAP_FILENAME = "speculative_token_map.pt"  # SGLang --speculative-token-map
+
+
+def token_map_bytes(draft_ids: torch.Tensor) -> bytes:
+    """`torch.save` of the target ids as a plain list of ints (what SGLang's load_token_map turns into a tensor)."""
+    buffer = io.BytesIO()
+    torch.save([int(i) for i in draft_ids.tolist()], buffer)
+    return buffer.getvalue()
+
+
+def read_token_map(path: Path, vocab_size: int) -> torch.Tensor:
+    """The [N] int64 target ids of a token-map file (a list of ints or a 1-D integer tensor, loaded with
+    weights_only=True), checked to be strictly increasing ids in [0, vocab_size)."""
+    if not path.is_file():
+        raise UserError(f"{path}: not found")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise UserError(f"{path}: could not read the token map ({err})") from None
+    if isinstance(data, torch.Tensor) and not data.is_floating_point() and data.dtype != torch.bool:
+        ids = data.to(torch.long)
+    elif isinstance(data, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in data):
+        ids = torch.tensor(list(data), dtype=torch.long)
+    else:
+        raise UserError(f"{path}: expected a list of target token ids (ints), got {type(data).__name__}")
+    check_draft_ids(ids, vocab_size, str(path))
+    return ids
 
 
 def block_refusal(config, format_name: str, supported: dict[str, str]) -> str | None:
@@ -70,9 +122,10 @@ class EagleFormat(ExportFormat):
 
     def refuse_reason(self, head_config: HeadConfig, target) -> str | None:
         if head_config.kind != "eagle1":
+            others = "deepseek-mtp or native" if head_config.draft_vocab_size is None else "native"  # deepseek: no d2t
             return (
                 "an mtp head (restored norms) cannot be written as EAGLE-1: this layout has no slot for "
-                f"{MTP_NORMS_LOST}; they would be lost. Use --format deepseek-mtp or native"
+                f"{MTP_NORMS_LOST}; they would be lost. Use --format {others}"
             )
         return block_refusal(target.config, self.name, EAGLE_ARCHITECTURES)
 
@@ -81,13 +134,27 @@ class EagleFormat(ExportFormat):
         config.pop("num_nextn_predict_layers", None)
         config["architectures"] = [EAGLE_ARCHITECTURES[target.config.model_type]]
         config["num_hidden_layers"] = head_config.num_layers
+        extra = {}
+        engine_support = "SGLang --speculative-algorithm EAGLE; not vLLM (its EAGLE-1 fc has no bias)"
+        files: dict = {}
+        if head_config.draft_vocab_size is not None:  # only then: a full-vocabulary export stays as it was
+            config["draft_vocab_size"] = head_config.draft_vocab_size
+            extra["speculative_token_map"] = TOKEN_MAP_FILENAME
+            engine_support = (
+                f"SGLang --speculative-algorithm EAGLE --speculative-token-map <this dir>/{TOKEN_MAP_FILENAME} (the "
+                "head's draft vocabulary; without it SGLang drafts over the full vocabulary); not vLLM (its EAGLE-1 "
+                "fc has no bias and it has no EAGLE-1 draft vocabulary)"
+            )
+            files[TOKEN_MAP_FILENAME] = token_map_bytes(draft_ids_of(state))
         config[BLOCK_KEY] = mtp_train_block(
             self.name,
             head_config,
             target_num_hidden_layers=target.config.num_hidden_layers,
-            engine_support="SGLang --speculative-algorithm EAGLE; not vLLM (its EAGLE-1 fc has no bias)",
+            engine_support=engine_support,
+            **extra,
         )
-        return {name: tensor.to(dtype) for name, tensor in state.items()}, {"config.json": config}
+        tensors = {name: tensor for name, tensor in state.items() if name not in DRAFT_VOCAB_TENSORS}
+        return cast_floating(tensors, dtype), {"config.json": config, **files}
 
     # ---- reading back ---------------------------------------------------------------------------------------------
 
@@ -103,11 +170,38 @@ class EagleFormat(ExportFormat):
         return native_tensors("eagle1", int(config["num_hidden_layers"]), shape)
 
     def extra_problems(self, config, directory):
+        problems = []
+        source = directory / "config.json"
         archs = config.get("architectures") or []
         known = sorted(set(EAGLE_ARCHITECTURES.values()))
         if archs and archs[0] not in known:
-            return [f"{directory / 'config.json'}: architectures={archs!r}; expected one of {known}"]
-        return []
+            problems.append(f"{source}: architectures={archs!r}; expected one of {known}")
+        token_map = directory / TOKEN_MAP_FILENAME
+        try:
+            draft_vocab_size = draft_vocab_size_of(config)
+        except UserError as err:
+            return problems + [f"{source}: {err}"]
+        if draft_vocab_size is None:
+            if token_map.exists():
+                problems.append(
+                    f"{token_map}: a token map, but {source} declares no draft_vocab_size (a full-vocabulary head); "
+                    "SGLang would restrict the head to it"
+                )
+            return problems
+        if not token_map.is_file():
+            return problems + [
+                f"{token_map}: not found ({source} declares draft_vocab_size={draft_vocab_size}; SGLang reads the draft "
+                "vocabulary from this file, passed as --speculative-token-map)"
+            ]
+        try:
+            ids = read_token_map(token_map, int(config["vocab_size"]))
+        except UserError as err:
+            return problems + [str(err)]
+        if ids.numel() != draft_vocab_size:
+            problems.append(
+                f"{token_map}: {ids.numel()} target ids, but {source} says draft_vocab_size={draft_vocab_size}"
+            )
+        return problems
 
     def target_problems(self, config, target):
         source = "config.json"
@@ -129,4 +223,15 @@ class EagleFormat(ExportFormat):
                 f"{source}: {BLOCK_KEY}.head_config (kind={head_config.kind!r}, num_layers={head_config.num_layers}) "
                 f"does not match an eagle1 head with num_hidden_layers={config['num_hidden_layers']}"
             )
-        return dict(tensors), head_config, {}
+        native = dict(tensors)
+        if head_config.draft_vocab_size is not None:
+            token_map = directory / TOKEN_MAP_FILENAME
+            ids = read_token_map(token_map, head_config.vocab_size)
+            if ids.numel() != head_config.draft_vocab_size:
+                raise UserError(
+                    f"{token_map}: {ids.numel()} target ids, but the head's draft_vocab_size is "
+                    f"{head_config.draft_vocab_size}"
+                )
+            native["d2t"] = d2t_from_ids(ids)
+            native["t2d"] = t2d_from_ids(ids, head_config.vocab_size)
+        return native, head_config, {}

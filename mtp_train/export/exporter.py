@@ -37,7 +37,8 @@ def export_head(
     `target_dir`: the target the head was trained for. Every format needs it: it is checked against the head (hidden
     size, vocabulary, architecture, fingerprint), it supplies the layer config written to config.json, and for
     deepseek-mtp the frozen embed_tokens / lm_head tensors. `dtype`: bfloat16 | float16 | float32 (default: the
-    head's stored dtype). The output is built in a temporary sibling directory and renamed into place."""
+    head's stored dtype) for the floating-point tensors; a reduced draft vocabulary's d2t (int64) / t2d (bool) keep
+    theirs. The output is built in a temporary sibling directory and renamed into place."""
     fmt = get_format(format_name)
     if num_speculative_tokens < 1:
         raise UserError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
@@ -55,7 +56,7 @@ def export_head(
     reason = fmt.refuse_reason(head_config, target)
     if reason:
         raise UserError(f"cannot export {head_dir} ({head_config.kind} head) as {fmt.name}: {reason}")
-    stored = {tensor.dtype for tensor in state.values()}
+    stored = {tensor.dtype for tensor in state.values() if tensor.is_floating_point()}
     if torch_dtype is None:
         if len(stored) != 1:
             raise UserError(f"{head_dir / WEIGHTS_FILENAME}: mixed dtypes {sorted(map(str, stored))}; pass --dtype")
@@ -73,7 +74,8 @@ def export_head(
     assert got == expected, f"format {fmt.name} wrote {sorted(got.items())}, its checks expect {sorted(expected.items())}"
 
     files = {WEIGHTS_FILENAME: safetensors_bytes(tensors, {"mtp_train_format": fmt.name, "kind": head_config.kind})}
-    files.update({name: json_bytes(content) for name, content in json_files.items()})
+    # Besides JSON, a format may write a ready file (bytes): eagle's SGLang token map.
+    files.update({name: c if isinstance(c, bytes) else json_bytes(c) for name, c in json_files.items()})
     write_directory(out, files, overwrite)
     log.info("exported %s head %s as %s to %s (%d tensors)", head_config.kind, head_dir, fmt.name, out, len(tensors))
     return out

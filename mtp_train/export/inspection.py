@@ -105,6 +105,13 @@ def format_report(report: Report) -> str:
     lines += ["  " + fmt_row.format(*row) for row in rows]
     total = sum(_numel(shape) for shape, _ in report.tensors.values())
     lines.append(f"  {len(report.tensors)} tensors, {total:,} parameters")
+    draft_vocab_size = report.config.get("draft_vocab_size")
+    if draft_vocab_size is not None:
+        block = report.config.get(BLOCK_KEY) if isinstance(report.config.get(BLOCK_KEY), dict) else {}
+        where = f"token map {block['speculative_token_map']}" if block.get("speculative_token_map") else "d2t/t2d"
+        lines.append(
+            f"  draft vocabulary: {draft_vocab_size} of {report.config.get('vocab_size')} target tokens ({where})"
+        )
     if report.problems:
         lines.append(f"{len(report.problems)} problem(s):")
         lines += [f"  - {p}" for p in report.problems]

@@ -21,6 +21,7 @@ from mtp_train.export.common import (
 from mtp_train.export.inspection import inspect_dir
 from mtp_train.export.registry import FORMATS
 from mtp_train.heads.draft_head import DraftHead
+from mtp_train.heads.vocab import check_d2t_t2d
 from mtp_train.runtime.model import CausalLM
 
 
@@ -40,7 +41,8 @@ def load_any_head(
     directory: str | os.PathLike[str], target: CausalLM, dtype: torch.dtype | None = None
 ) -> DraftHead:
     """Load the head at `directory` (a trainer's `head/` or any exported format) over `target`, on its device, in `dtype`
-    (default: the dtype stored in the file, so a round trip reproduces the original head bit for bit)."""
+    (default: the dtype stored in the file, so a round trip reproduces the original head bit for bit; d2t/t2d of a
+    reduced draft vocabulary keep int64/bool)."""
     directory = Path(directory)
     if (directory / "head_config.json").is_file() and not (directory / "config.json").is_file():
         from mtp_train.heads.io import load_head
@@ -76,8 +78,14 @@ def load_any_head(
     )
     assert native.keys() == expected.keys()
     head.load_state_dict(
-        {k: v.to(device=target.device, dtype=dtype or v.dtype) for k, v in native.items()}, assign=True
+        {
+            k: v.to(device=target.device, dtype=(dtype or v.dtype) if v.is_floating_point() else v.dtype)
+            for k, v in native.items()
+        },
+        assign=True,
     )
+    if head_config.draft_vocab_size is not None:  # d2t / t2d: the draft vocabulary, as heads.load_head checks it
+        check_d2t_t2d(head.d2t, head.t2d, str(directory))
     return head
 
 

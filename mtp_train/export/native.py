@@ -13,6 +13,9 @@ Files: `model.safetensors` (the head's own tensors under DraftHead's state-dict 
 Both head kinds are representable. Tensor names:
     mtp:    enorm.weight, hnorm.weight, eh_proj.weight [d, 2d] (columns: embed | hidden), layers.{j}.*, norm.weight
     eagle1: fc.weight [d, 2d], fc.bias [d], layers.{j}.* (no layers.0.input_layernorm), no norm
+A reduced draft vocabulary of N tokens adds `d2t` int64 [N] (target id = i + d2t[i]) and `t2d` bool [V] (the names
+and dtypes `heads.save_head` writes, the EAGLE-3 pair vLLM/SGLang/speculators read) and `draft_vocab_size: N` to
+config.json; `torch_dtype` describes the floating-point tensors only. A full-vocabulary head has neither.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
-from mtp_train.export.base import ExportFormat
+from mtp_train.export.base import ExportFormat, draft_vocab_size_of
 from mtp_train.export.common import (
     BLOCK_KEY,
     DTYPE_NAMES,
@@ -30,10 +33,14 @@ from mtp_train.export.common import (
     FORMAT_VERSION,
     HEAD_CONFIG_FILENAME,
     HIDDEN_STATE_INPUT,
+    WEIGHTS_FILENAME,
     LayerShape,
     TargetInfo,
+    cast_floating,
+    draft_vocab_tensor_problems,
     mtp_train_block,
     native_tensors,
+    read_safetensors_header,
 )
 from mtp_train.heads.config import HeadConfig
 
@@ -78,7 +85,9 @@ class NativeFormat(ExportFormat):
             "torch_dtype": DTYPE_NAMES[dtype],
             BLOCK_KEY: mtp_train_block(self.name, head_config),
         }
-        tensors = {name: tensor.to(dtype) for name, tensor in state.items()}
+        if head_config.draft_vocab_size is not None:  # only then: a full-vocabulary export stays as it was
+            config["draft_vocab_size"] = head_config.draft_vocab_size
+        tensors = cast_floating(state, dtype)
         return tensors, {"config.json": config, HEAD_CONFIG_FILENAME: head_config.to_dict()}
 
     # ---- reading back ---------------------------------------------------------------------------------------------
@@ -116,7 +125,9 @@ class NativeFormat(ExportFormat):
     def expected_tensors(self, config, directory):
         if config["head_kind"] not in self.kinds:
             raise UserError(f"{directory / 'config.json'}: head_kind {config['head_kind']!r}; expected mtp or eagle1")
-        return native_tensors(config["head_kind"], int(config["num_layers"]), self._layer_shape(config, directory))
+        draft_vocab_size = draft_vocab_size_of(config)
+        shape = self._layer_shape(config, directory)
+        return native_tensors(config["head_kind"], int(config["num_layers"]), shape, draft_vocab_size)
 
     def _read_head_config(self, directory: Path) -> HeadConfig:
         path = directory / HEAD_CONFIG_FILENAME
@@ -144,6 +155,16 @@ class NativeFormat(ExportFormat):
         for key in ("hidden_size", "vocab_size"):
             if key in layer and layer[key] != config.get(key):
                 problems.append(f"{source}: layer.{key}={layer[key]!r} but {key}={config.get(key)!r}")
+        if config.get("draft_vocab_size") != head_config.draft_vocab_size:
+            problems.append(
+                f"{source}: draft_vocab_size={config.get('draft_vocab_size')!r} but {HEAD_CONFIG_FILENAME} says "
+                f"{head_config.draft_vocab_size!r}"
+            )
+        elif head_config.draft_vocab_size is not None:
+            weights = directory / WEIGHTS_FILENAME
+            problems += draft_vocab_tensor_problems(
+                weights, read_safetensors_header(weights), head_config.vocab_size, head_config.draft_vocab_size
+            )
         return problems
 
     def target_problems(self, config, target):

@@ -33,6 +33,16 @@ transformer.input_layernorm and the final norm -> pre_lm_head_layernorm with the
 speculator has no norm on the verifier's hidden state, so hnorm would be lost (fusion_fc would read H instead of
 hnorm(H), and RMSNorm is not linear, so no weight folding recovers it). Heads with more than one layer are refused
 (one `transformer`), and non-Llama blocks too (`EagleSpeculator` always builds a `LlamaDecoderLayer`).
+
+Why a head with a reduced draft vocabulary (d2t/t2d) is refused: `EagleSpeculator` takes its `lm_head` from the
+attached verifier (`attach_verifier`: `self.lm_head = verifier.lm_head`; `lm_head.weight` is in
+`_keys_to_ignore_on_save`) and returns `self.lm_head(hidden_states)`, logits over the verifier's whole vocabulary;
+`EagleSpeculatorConfig` has no `draft_vocab_size` (src/speculators/models/eagle.py
+@ 0370128df4b39771b445947586c8d9152000fdc3 and @ 27bee96b079bb7a611ce7407c246fd98839e51e6). The draft vocabulary
+exists only in the EAGLE-3 speculator (src/speculators/models/eagle3.py @ 03a7c1497cdbb0cf6a3cdffc86aead090034c285:
+`Eagle3SpeculatorConfig.draft_vocab_size`, buffers `d2t` int64 [draft_vocab_size] and `t2d` bool [target vocab],
+`lm_head` [draft_vocab_size, d]), whose architecture (fc over three verifier layers, a 2d-input attention) is not
+our head's.
 """
 
 from __future__ import annotations
@@ -42,11 +52,12 @@ from typing import Any
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.export.base import ExportFormat, layer_shape_problems
+from mtp_train.export.base import ExportFormat, layer_shape_problems, no_draft_vocab_problems
 from mtp_train.export.common import (
     BLOCK_KEY,
     DTYPE_NAMES,
     LayerShape,
+    draft_vocab_lost,
     engine_config_from_target,
     mtp_train_block,
 )
@@ -55,6 +66,10 @@ from mtp_train.heads.config import HeadConfig
 
 SPECULATORS_VERSION = "0.1.0"
 LLAMA_BLOCK_TYPES = {"llama": "LlamaDecoderLayer", "mistral": "LlamaDecoderLayer"}
+_NO_DRAFT_VOCAB = (
+    "EagleSpeculator computes its logits with the verifier's full lm_head and its config has no draft_vocab_size "
+    "(d2t/t2d exist only in the EAGLE-3 speculator)"
+)
 _TRANSFORMER_DROP = ("architectures", "num_nextn_predict_layers", "torch_dtype", "dtype", BLOCK_KEY)
 
 
@@ -65,17 +80,20 @@ class SpeculatorsFormat(ExportFormat):
 
     def refuse_reason(self, head_config: HeadConfig, target) -> str | None:
         if head_config.kind != "eagle1":
+            others = "deepseek-mtp or native" if head_config.draft_vocab_size is None else "native"  # deepseek: no d2t
             return (
                 "an mtp head cannot be written as a speculators EagleSpeculator: its layernorms option adds "
                 "embedding_layernorm (= enorm), keeps transformer.input_layernorm and adds pre_lm_head_layernorm "
                 "(= the final norm), but has no norm on the verifier hidden state, so hnorm would be lost. "
-                "Use --format deepseek-mtp or native"
+                f"Use --format {others}"
             )
         if head_config.num_layers != 1:
             return (
                 f"the head has {head_config.num_layers} decoder layers; EagleSpeculator has one `transformer` layer, "
                 "so layers 1.. would be lost; use --format eagle or native"
             )
+        if head_config.draft_vocab_size is not None:
+            return draft_vocab_lost(head_config, "speculators", _NO_DRAFT_VOCAB, "--format eagle or native")
         return block_refusal(target.config, self.name, LLAMA_BLOCK_TYPES)
 
     def build(self, state, head_config, target, dtype, options):
@@ -171,6 +189,7 @@ class SpeculatorsFormat(ExportFormat):
         methods = config["speculators_config"].get("proposal_methods")
         if not isinstance(methods, list) or not methods or "speculative_tokens" not in methods[0]:
             problems.append(f"{source}: speculators_config.proposal_methods[0].speculative_tokens is missing")
+        problems += no_draft_vocab_problems(config, self.name, _NO_DRAFT_VOCAB, str(source))
         if config.get("transformer_layer_architecture") != "LlamaDecoderLayer":
             problems.append(
                 f"{source}: transformer_layer_architecture={config.get('transformer_layer_architecture')!r}; "
@@ -212,6 +231,11 @@ class SpeculatorsFormat(ExportFormat):
             raise UserError(
                 f"{source}: {BLOCK_KEY}.head_config says kind={head_config.kind!r}, num_layers={head_config.num_layers}; "
                 "a speculators eagle export holds an eagle1 head with one layer"
+            )
+        if head_config.draft_vocab_size is not None:
+            raise UserError(
+                f"{source}: {BLOCK_KEY}.head_config.draft_vocab_size={head_config.draft_vocab_size}; a speculators "
+                f"eagle export cannot carry a reduced draft vocabulary ({_NO_DRAFT_VOCAB})"
             )
         native: dict[str, torch.Tensor] = {}
         for name, tensor in tensors.items():
