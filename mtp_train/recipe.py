@@ -92,6 +92,9 @@ class RegenerateConfig(_Section):
     max_new_tokens: int = Field(512, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
     batch_size: int = Field(8, ge=1, description="conversations generated together")
+    max_turns: int | None = Field(
+        None, ge=1, description="keep only the first N user turns of each conversation (null = all)"
+    )
 
 
 class DataConfig(_Section):
@@ -139,6 +142,9 @@ class HeadConfig(_Section):
     num_layers: int = Field(1, ge=1)
     init: Literal["last_layer", "random"] = Field("random", description="decoder layer init (random measured better than last_layer)")
     draft_vocab_size: int | Literal["full"] = Field("full", description="'full' or a reduced draft vocabulary size")
+    draft_vocab_source: Literal["target", "data"] = Field(
+        "target", description="labels counted to pick the draft vocabulary: the target's argmax or the data's tokens"
+    )
 
     @field_validator("draft_vocab_size", mode="before")
     @classmethod
