@@ -310,7 +310,10 @@ def test_counts_from_data_and_target(tiny_features):
             expected += torch.bincount((batch.hidden[rows] @ target.lm_head.weight.T).argmax(-1), minlength=vocab)
             start += n
     assert torch.equal(target_counts, expected)
-    # Cached: a second call reads the file; a changed manifest recounts.
+    # Ranks split the samples; their counts add up to the single-process count.
+    halves = [count_next_tokens(features_dir, "data", vocab, progress=False, rank=r, world_size=2) for r in (0, 1)]
+    assert torch.equal(halves[0] + halves[1], data_counts) and halves[0].sum() > 0 and halves[1].sum() > 0
+    # Cached: a second call reads the file.
     cached = load_or_count(features_dir, "data", vocab, progress=False)
     assert torch.equal(cached, data_counts)
     assert (features_dir / "draft_vocab" / "data-counts.safetensors").is_file()

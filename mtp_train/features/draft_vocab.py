@@ -41,8 +41,11 @@ def count_next_tokens(
     lm_head_weight: torch.Tensor | None = None,  # [V, d]; needed for source="target"
     chunk_rows: int = 512,
     progress: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> torch.Tensor:
-    """[V] int64: how often each target id is the label of a counted row over the training split's features."""
+    """[V] int64: how often each target id is the label of a counted row over the training split's features (with
+    `world_size` > 1: over this rank's share, samples rank, rank + world_size, ...; sum the ranks' counts)."""
     from mtp_train.features.reader import FeatureReader
 
     if source not in SOURCES:
@@ -52,7 +55,7 @@ def count_next_tokens(
     dtype = lm_head_weight.dtype if lm_head_weight is not None else torch.float32
     reader = FeatureReader(features_dir, "train", micro_batch_tokens=1, dtype=dtype, verify_hashes=False)
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    samples = range(len(reader.samples))
+    samples = range(rank, len(reader.samples), world_size)
     for position in tqdm(samples, desc=f"draft-vocab ({source})", unit="sample", disable=not progress):
         shard_id, row, _ = reader.samples[position]
         handle = reader._open(shard_id)
@@ -82,9 +85,11 @@ def load_or_count(
     vocab_size: int,
     lm_head_weight: torch.Tensor | None = None,
     progress: bool = True,
+    distributed: bool = False,
 ) -> torch.Tensor:
     """Cached `count_next_tokens`: read the counts file when it matches the current feature manifest, else count
-    and write it."""
+    and write it. `distributed`: every rank of the initialized process group calls this; they split the counting,
+    sum it, and rank 0 writes the file."""
     from safetensors import safe_open
     from safetensors.torch import save
 
@@ -98,9 +103,18 @@ def load_or_count(
                 counts = handle.get_tensor("token_counts")
                 if counts.numel() == vocab_size:
                     return counts
-    counts = count_next_tokens(features_dir, source, vocab_size, lm_head_weight, progress=progress)
-    metadata = {"source": source, "manifest_sha256": digest, "labels": str(int(counts.sum()))}
-    atomic_write_bytes(path, save({"token_counts": counts}, metadata=metadata))
+    rank, world_size = 0, 1
+    if distributed:
+        import torch.distributed as dist
+
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    counts = count_next_tokens(features_dir, source, vocab_size, lm_head_weight, progress=progress and rank == 0,
+                               rank=rank, world_size=world_size)
+    if world_size > 1:
+        dist.all_reduce(counts)  # int64 sums, exact
+    if rank == 0:
+        metadata = {"source": source, "manifest_sha256": digest, "labels": str(int(counts.sum()))}
+        atomic_write_bytes(path, save({"token_counts": counts}, metadata=metadata))
     return counts
 
 

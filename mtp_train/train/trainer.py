@@ -130,20 +130,15 @@ _STEP_METRICS = ("feature", "kl", "top1", "top3", "alpha", "coverage")
 
 
 def _choose_draft_vocab(head, target, features_dir: Path, source: str, is_main: bool) -> float:
-    """Set the head's draft vocabulary to the top-N labels of the training features (rank 0 counts and caches them,
-    the others wait and read the cache); returns the coverage of the counted labels."""
-    import torch.distributed as dist
-
+    """Set the head's draft vocabulary to the top-N labels of the training features (counted by all ranks together
+    and cached next to the features); returns the coverage of the counted labels."""
     from mtp_train.features.draft_vocab import load_or_count
     from mtp_train.heads.vocab import coverage, select_draft_vocab
 
     weight = target.lm_head.weight.detach() if source == "target" else None
     vocab_size = target.config.vocab_size
-    with torch.inference_mode():
-        if is_main:
-            load_or_count(features_dir, source, vocab_size, weight)
-        dist.barrier()
-        counts = load_or_count(features_dir, source, vocab_size, weight, progress=False)
+    with torch.inference_mode():  # the ranks split the counting (or all read the cached counts)
+        counts = load_or_count(features_dir, source, vocab_size, weight, progress=is_main, distributed=True)
     draft_ids = select_draft_vocab(counts, head.head_config.draft_vocab_size)
     head.set_draft_vocab(draft_ids)
     share = coverage(counts, draft_ids)
