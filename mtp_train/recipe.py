@@ -123,6 +123,10 @@ class PrecomputeConfig(_Section):
     storage_dtype: Literal["bfloat16", "float16", "float8_e4m3"] = "bfloat16"
     tokens_per_batch: int = Field(8192, ge=1, description="tokens per target forward")
     samples_per_shard: int = Field(512, ge=1)
+    target_argmax: bool = Field(
+        True, description="also store the target's argmax token per position (one lm_head pass; heads with a reduced "
+        "draft vocabulary then train without full-vocabulary logits)"
+    )
     aux_layers: list[int] = Field(
         default_factory=list, description="decoder layers (0-based outputs) also stored, for EAGLE-3 heads"
     )

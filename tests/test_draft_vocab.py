@@ -187,6 +187,25 @@ def test_reduced_kl_is_restricted_renormalized_and_masked(chunk_size):
     assert torch.allclose(sums.alpha, torch.minimum(p_full[:, ids], q).sum(), atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_a_stored_target_argmax_gives_the_same_losses_without_full_logits(chunk_size):
+    weight, target = _rand(V, D, seed=0) * 3, _rand(12, D, seed=1)
+    target_top = (target @ weight.T).argmax(-1)
+    ids = torch.unique(torch.cat([target_top[:8], torch.tensor([0, 1, 2])]))
+    results, grads = [], []
+    for known in (None, target_top):
+        out = _rand(12, D, seed=2).requires_grad_(True)
+        sums = distill_sums(out, target, weight, chunk_size=chunk_size, draft_ids=ids, target_top=known)
+        sums.kl.backward()
+        results.append(sums)
+        grads.append(out.grad)
+    full, known = results
+    for name in ("kl", "top1", "top3", "inside"):
+        assert torch.allclose(getattr(full, name), getattr(known, name), atol=1e-5), name
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    assert known.alpha >= full.alpha - 1e-6  # α within the draft vocabulary bounds the full one from above
+
+
 def test_unrolled_losses_report_coverage_with_a_reduced_head(models):
     target = models["target"]
     ids = torch.arange(0, VOCAB, 2)  # even ids only
@@ -310,6 +329,11 @@ def test_counts_from_data_and_target(tiny_features):
             expected += torch.bincount((batch.hidden[rows] @ target.lm_head.weight.T).argmax(-1), minlength=vocab)
             start += n
     assert torch.equal(target_counts, expected)
+    # Precompute stored the same argmax per position (from the stored hidden states).
+    manifest = json.loads((features_dir / "manifest.json").read_text())
+    assert manifest["target_argmax"] is True
+    batch = reader.load(reader.epoch_batches(0)[0])
+    assert torch.equal(batch.target_argmax, (batch.hidden @ target.lm_head.weight.T).argmax(-1))
     # Ranks split the samples; their counts add up to the single-process count.
     halves = [count_next_tokens(features_dir, "data", vocab, progress=False, rank=r, world_size=2) for r in (0, 1)]
     assert torch.equal(halves[0] + halves[1], data_counts) and halves[0].sum() > 0 and halves[1].sum() > 0

@@ -3,8 +3,8 @@
 A head row reading (H_{j-2}, t_{j-1}) predicts token j, and it counts in the losses where token j is an assistant token
 (loss_mask[j] = 1, j >= 2). The label of that row can be taken two ways (`source`):
 
-- `target`: the target's argmax of lm_head(H_{j-1}) — what the KL actually trains towards (one lm_head pass over the
-  counted positions of the training features, chunked);
+- `target`: the target's argmax of lm_head(H_{j-1}) — what the KL actually trains towards (read from the cache's
+  `target_argmax` when precompute stored it, else one chunked lm_head pass over the counted positions);
 - `data`: the data's token t_j — free; identical to `target` on greedily self-distilled data (`prepare --regenerate`)
   up to ties.
 
@@ -14,6 +14,7 @@ Counts are cached in `<features>/draft_vocab/<source>-counts.safetensors`, tied 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -34,6 +35,10 @@ def _manifest_digest(features_dir: Path) -> str:
     return hashlib.sha256((features_dir / "manifest.json").read_bytes()).hexdigest()
 
 
+def _stores_argmax(features_dir: Path) -> bool:
+    return bool(json.loads((features_dir / "manifest.json").read_text()).get("target_argmax"))
+
+
 def count_next_tokens(
     features_dir: str | Path,
     source: str,
@@ -50,8 +55,8 @@ def count_next_tokens(
 
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-    if source == "target" and lm_head_weight is None:
-        raise ValueError("source='target' needs the target's lm_head weight")
+    if source == "target" and lm_head_weight is None and not _stores_argmax(Path(features_dir)):
+        raise ValueError("source='target' needs the target's lm_head weight (the cache stores no target_argmax)")
     dtype = lm_head_weight.dtype if lm_head_weight is not None else torch.float32
     reader = FeatureReader(features_dir, "train", micro_batch_tokens=1, dtype=dtype, verify_hashes=False)
     counts = torch.zeros(vocab_size, dtype=torch.long)
@@ -68,6 +73,8 @@ def count_next_tokens(
             continue
         if source == "data":
             labels = token_ids[labelled]
+        elif "target_argmax" in handle.keys():  # stored by precompute: label of row j-2 = argmax of lm_head(H_{j-1})
+            labels = handle.get_slice("target_argmax")[start:end].long()[labelled - 1]
         else:
             hidden = reader.load([position]).hidden.to(lm_head_weight.device)  # [n, d]
             label_chunks = []

@@ -9,8 +9,9 @@ Layout of `<precompute.output_dir>/`:
 - `{split}/shard-r{rank}-{k:05d}.safetensors` — tensors over the concatenated samples of the shard:
   `offsets` int64 [n+1] (sample s owns rows offsets[s]:offsets[s+1]), `sample_index` int64 [n] (row of the
   prepared split), `input_ids` int32 [T], `loss_mask` uint8 [T], `hidden` [T, d] (storage dtype) and, for
-  `float8_e4m3`, `hidden_scale` float32 [T]; with aux layers `aux_hidden` [T, n_aux, d] (+ `aux_hidden_scale`
-  [T, n_aux]).
+  `float8_e4m3`, `hidden_scale` float32 [T]; with `precompute.target_argmax` (default) `target_argmax` int32 [T],
+  the argmax of lm_head(H_t) over the stored (storage-dtype) H_t; with aux layers `aux_hidden` [T, n_aux, d]
+  (+ `aux_hidden_scale` [T, n_aux]).
 
 `hidden` row t is H_t, the target's last-layer output after the final norm at position t (what lm_head reads).
 """
@@ -63,7 +64,7 @@ def decode_hidden(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch
 
 def write_shard(path: Path, samples: list[dict[str, torch.Tensor | int]], storage_dtype: str) -> dict[str, Any]:
     """Write one shard atomically. Each sample: `sample_index` int, `input_ids` [T] , `loss_mask` [T],
-    `hidden` [T, d], optional `aux_hidden` [T, n_aux, d]. Returns the shard's record (sha256 over the file)."""
+    `hidden` [T, d], optional `target_argmax` [T] and `aux_hidden` [T, n_aux, d]. Returns the shard's record (sha256 over the file)."""
     from safetensors.torch import save
 
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
@@ -78,6 +79,8 @@ def write_shard(path: Path, samples: list[dict[str, torch.Tensor | int]], storag
     }
     if hidden_scale is not None:
         tensors["hidden_scale"] = hidden_scale
+    if samples[0].get("target_argmax") is not None:
+        tensors["target_argmax"] = torch.cat([s["target_argmax"] for s in samples]).to(torch.int32).contiguous()
     if samples[0].get("aux_hidden") is not None:
         aux, aux_scale = encode_hidden(torch.cat([s["aux_hidden"] for s in samples]), storage_dtype)
         tensors["aux_hidden"] = aux

@@ -80,6 +80,20 @@ def _split_lengths(dataset) -> list[int]:
     return column.value_lengths().to_pylist()
 
 
+def _target_argmax(model, hidden: torch.Tensor, storage_dtype: str, chunk_rows: int = 1024) -> torch.Tensor:
+    """[T] int64: argmax of the target's lm_head over H as stored (rounded to `storage_dtype` and back), so the
+    label matches what training recomputes from the cache; `chunk_rows` rows at a time ([rows, vocab] logits)."""
+    from mtp_train.features.format import decode_hidden, encode_hidden
+
+    weight = model.lm_head.weight
+    labels = []
+    for chunk in hidden.split(chunk_rows):
+        stored, scale = encode_hidden(chunk, storage_dtype)
+        restored = decode_hidden(stored, scale, weight.dtype)
+        labels.append((restored @ weight.T).argmax(-1))
+    return torch.cat(labels)
+
+
 def _header(recipe, prepared, target_fp: str, world_size: int, hidden_size: int) -> dict[str, Any]:
     from mtp_train.recipe import recipe_hash
 
@@ -96,12 +110,13 @@ def _header(recipe, prepared, target_fp: str, world_size: int, hidden_size: int)
         "storage_dtype": recipe.precompute.storage_dtype,
         "hidden_size": hidden_size,
         "aux_layers": list(recipe.precompute.aux_layers),
+        "target_argmax": recipe.precompute.target_argmax,
         "world_size": world_size,
     }
 
 
 def _compare_headers(existing: dict[str, Any], current: dict[str, Any], where: Path) -> None:
-    for key in ("format_version", "storage_dtype", "hidden_size", "aux_layers", "world_size"):
+    for key in ("format_version", "storage_dtype", "hidden_size", "aux_layers", "target_argmax", "world_size"):
         if existing.get(key) != current.get(key):
             raise UserError(
                 f"{where}: existing cache has {key}={existing.get(key)!r}, this run {current.get(key)!r}; refusing to "
@@ -257,15 +272,22 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
                     aux_layers=aux_layers,
                 )
                 hidden_rows = out.hidden.cpu().split(batch_lengths)
+                argmax_rows = (
+                    _target_argmax(model, out.hidden, pre.storage_dtype).cpu().split(batch_lengths)
+                    if pre.target_argmax
+                    else [None] * len(ids)
+                )
                 aux_rows = (
                     torch.stack([out.aux_hidden[j] for j in aux_layers], dim=1).cpu().split(batch_lengths)
                     if aux_layers
                     else [None] * len(ids)
                 )
-                for sample_index, token_ids, mask, hidden, aux in zip(batch_indices, ids, masks, hidden_rows, aux_rows):
+                for sample_index, token_ids, mask, hidden, argmax, aux in zip(
+                    batch_indices, ids, masks, hidden_rows, argmax_rows, aux_rows
+                ):
                     samples.append(
                         {"sample_index": sample_index, "input_ids": token_ids, "loss_mask": mask, "hidden": hidden,
-                         "aux_hidden": aux}
+                         "target_argmax": argmax, "aux_hidden": aux}
                     )
                 progress.advance(sum(batch_lengths))
                 computed_tokens += sum(batch_lengths)

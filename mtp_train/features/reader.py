@@ -27,6 +27,7 @@ class FeatureBatch:
     lengths: list[int]  # tokens per sample
     sample_index: list[int]
     aux_hidden: torch.Tensor | None = None  # [T, n_aux, d]
+    target_argmax: torch.Tensor | None = None  # [T] int64: argmax of lm_head(H_t), when the cache stores it
 
     @property
     def num_tokens(self) -> int:
@@ -130,7 +131,7 @@ class FeatureReader:
         return len(self.epoch_batches(0))
 
     def load(self, positions: list[int]) -> FeatureBatch:
-        ids, masks, hiddens, auxes, lengths = [], [], [], [], []
+        ids, masks, hiddens, auxes, argmaxes, lengths = [], [], [], [], [], []
         for i in positions:
             shard_id, row, length = self.samples[i]
             handle = self._open(shard_id)
@@ -139,6 +140,8 @@ class FeatureReader:
             masks.append(handle.get_slice("loss_mask")[start:end])
             scale = handle.get_slice("hidden_scale")[start:end] if "hidden_scale" in handle.keys() else None
             hiddens.append(decode_hidden(handle.get_slice("hidden")[start:end], scale, self.dtype))
+            if "target_argmax" in handle.keys():
+                argmaxes.append(handle.get_slice("target_argmax")[start:end])
             if "aux_hidden" in handle.keys():
                 aux_scale = handle.get_slice("aux_hidden_scale")[start:end] if "aux_hidden_scale" in handle.keys() else None
                 auxes.append(decode_hidden(handle.get_slice("aux_hidden")[start:end], aux_scale, self.dtype))
@@ -150,6 +153,7 @@ class FeatureReader:
             lengths=lengths,
             sample_index=list(positions),
             aux_hidden=torch.cat(auxes) if auxes else None,
+            target_argmax=torch.cat(argmaxes).long() if len(argmaxes) == len(positions) else None,
         )
 
     def __iter__(self):

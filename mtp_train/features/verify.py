@@ -70,6 +70,11 @@ def _check_shard(root: Path, record: dict[str, Any], manifest: dict[str, Any], r
             f"hidden is {tuple(hidden.shape)} {hidden.dtype}, expected ({num_tokens}, {manifest['hidden_size']}) "
             f"{expected_dtype}"
         )
+    if manifest.get("target_argmax") and (
+        "target_argmax" not in tensors or tensors["target_argmax"].shape != (num_tokens,)
+        or tensors["target_argmax"].dtype != torch.int32
+    ):
+        shape_problems.append(f"target_argmax missing or not int32 ({num_tokens},) (the manifest says it is stored)")
     if len(sample_index) != record["num_samples"] or num_tokens != record["num_tokens"]:
         shape_problems.append("sample/token counts differ from the manifest")
     if shape_problems:

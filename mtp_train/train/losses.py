@@ -41,11 +41,22 @@ def _chunk_metrics(
     target_logits: torch.Tensor,  # [c, V] fp32, full vocabulary
     draft_ids: torch.Tensor | None,  # [N] target id of each draft id; None = full vocabulary
     target_in_draft: torch.Tensor | None,  # [V] bool (t2d); None = full vocabulary
+    target_top: torch.Tensor | None = None,  # [c] the target's argmax when known (then target_logits are [c, N])
 ) -> tuple[torch.Tensor, ...]:
     """Per-chunk sums (kl, top1, top3, alpha, inside) and the restricted target log-probs [c, N] used for the KL, and
     the inside mask [c] (None when full)."""
-    target_top = target_logits.argmax(-1)  # [c] target ids
     draft_top3 = draft_logp.topk(min(3, draft_logp.shape[-1]), dim=-1).indices  # [c, 3] draft ids
+    if target_top is not None:  # stored argmax: `target_logits` are the draft-vocabulary logits only [c, N]
+        draft_top3 = draft_ids[draft_top3]
+        target_logp = target_logits.log_softmax(-1)  # [c, N] restricted and renormalized
+        inside_rows = target_in_draft[target_top]  # [c] bool
+        kl_rows = (target_logp.exp() * (target_logp - draft_logp)).sum(-1) * inside_rows
+        alpha = torch.minimum(draft_logp, target_logp).exp().sum()  # within the draft vocabulary (an upper bound)
+        inside = inside_rows.sum()
+        top1 = (draft_top3[:, 0] == target_top).sum()
+        top3 = (draft_top3 == target_top[:, None]).any(-1).sum()
+        return tuple(value.float() for value in (kl_rows.sum(), top1, top3, alpha, inside)), target_logp, inside_rows
+    target_top = target_logits.argmax(-1)  # [c] target ids
     if draft_ids is None:
         target_logp = target_logits.log_softmax(-1)  # [c, V]
         inside_rows = None
@@ -80,16 +91,19 @@ class _ChunkedDistill(torch.autograd.Function):
     its argmax and the full-vocabulary metrics."""
 
     @staticmethod
-    def forward(ctx, draft_hidden, target_hidden, weight, chunk_size: int, draft_ids, target_in_draft):
+    def forward(ctx, draft_hidden, target_hidden, weight, chunk_size: int, draft_ids, target_in_draft, target_top):
         needs_grad = ctx.needs_input_grad[0]
         grad = torch.empty(draft_hidden.shape, dtype=torch.float32, device=draft_hidden.device) if needs_grad else None
         draft_weight = weight if draft_ids is None else weight.index_select(0, draft_ids)  # [N, d]
+        # With a known target argmax only the draft rows of the target's logits are needed.
+        target_weight = draft_weight if target_top is not None else weight
         sums = torch.zeros(5, dtype=torch.float32, device=draft_hidden.device)  # kl, top1, top3, alpha, inside
         for start in range(0, draft_hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             draft_logp = _logits(draft_hidden[rows], draft_weight).log_softmax(-1)  # [c, N]
             chunk_sums, target_logp, inside_rows = _chunk_metrics(
-                draft_logp, _logits(target_hidden[rows], weight), draft_ids, target_in_draft
+                draft_logp, _logits(target_hidden[rows], target_weight), draft_ids, target_in_draft,
+                None if target_top is None else target_top[rows],
             )
             sums += torch.stack(chunk_sums)
             if needs_grad:  # d KL(p || q) / d draft_logits = q - p per counted row (the KL is summed over rows)
@@ -106,7 +120,7 @@ class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_kl, *_unused):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_kl).to(ctx.grad_dtype), None, None, None, None, None
+        return (grad * grad_kl).to(ctx.grad_dtype), None, None, None, None, None, None
 
 
 def distill_sums(
@@ -115,9 +129,16 @@ def distill_sums(
     lm_head_weight: torch.Tensor,  # [V, d] the target's frozen lm_head
     chunk_size: int | None = 1024,
     draft_ids: torch.Tensor | None = None,  # [N_draft] target ids of the draft vocabulary; None = full
+    target_top: torch.Tensor | None = None,  # [N] the target's stored argmax per row (used with draft_ids only)
 ) -> DistillSums:
     """KL(p_target || q_head) and accuracy metrics, summed over rows (see `DistillSums`). `chunk_size=None` computes
-    the full logits with plain autograd (reference for tests and benchmarks). Gradient flows to `draft_hidden` only."""
+    the full logits with plain autograd (reference for tests and benchmarks). Gradient flows to `draft_hidden` only.
+
+    With `draft_ids` and a known `target_top` (the feature cache's `target_argmax`), the target's logits are computed
+    over the draft vocabulary only: the KL, top-1/top-3 and the masking are the same, α is then measured within the
+    draft vocabulary (an upper bound of the full-vocabulary α), and the full [rows, V] matmul is skipped."""
+    if draft_ids is None:
+        target_top = None
     weight = lm_head_weight.detach()
     target_next_hidden = target_next_hidden.detach()
     target_in_draft = None
@@ -125,11 +146,14 @@ def distill_sums(
         draft_ids = draft_ids.to(device=weight.device, dtype=torch.long)
         target_in_draft = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
         target_in_draft[draft_ids] = True
+    if target_top is not None:
+        target_top = target_top.to(device=weight.device, dtype=torch.long)
     if chunk_size is None:
         draft_weight = weight if draft_ids is None else weight[draft_ids]
         sums, _, _ = _chunk_metrics(
-            _logits(draft_hidden, draft_weight).log_softmax(-1), _logits(target_next_hidden, weight),
-            draft_ids, target_in_draft,
+            _logits(draft_hidden, draft_weight).log_softmax(-1),
+            _logits(target_next_hidden, draft_weight if target_top is not None else weight),
+            draft_ids, target_in_draft, target_top,
         )
         return DistillSums(*sums)
     if chunk_size < 1:
@@ -139,7 +163,8 @@ def distill_sums(
 
         chunk_size = max(1, min(chunk_size, CPU_BLOCK_BYTES // (4 * weight.shape[0])))
     return DistillSums(
-        *_ChunkedDistill.apply(draft_hidden, target_next_hidden, weight, chunk_size, draft_ids, target_in_draft)
+        *_ChunkedDistill.apply(draft_hidden, target_next_hidden, weight, chunk_size, draft_ids, target_in_draft,
+                               target_top)
     )
 
 
@@ -170,6 +195,7 @@ def step_losses(
     chunk_size: int | None = 1024,
     feature_beta: float = 1.0,
     draft_ids: torch.Tensor | None = None,  # [N] the draft vocabulary's target ids; None = full
+    target_top: torch.Tensor | None = None,  # [T] the target's stored argmax per row (with draft_ids)
 ) -> StepLosses:
     """Feature and KL losses (means over counted rows; the KL over those inside the draft vocabulary) and accuracy
     metrics for one step."""
@@ -179,7 +205,8 @@ def step_losses(
         zero = draft_hidden.sum().float() * 0.0
         return StepLosses(zero, zero, zero.detach(), zero.detach(), zero.detach(), zero.detach(), 0)
     draft, target = draft_hidden[counted], target_next_hidden[counted]  # [N, d]
-    sums = distill_sums(draft, target, lm_head_weight, chunk_size, draft_ids)
+    sums = distill_sums(draft, target, lm_head_weight, chunk_size, draft_ids,
+                        None if target_top is None else target_top[counted])
     return StepLosses(
         feature=feature_loss_sum(draft, target, feature_beta) / rows,
         kl=sums.kl / sums.inside.clamp(min=1.0),
@@ -241,6 +268,7 @@ def unrolled_losses(
     kl_weight: float = 1.0,
     chunk_size: int | None = 1024,
     feature_beta: float = 1.0,
+    target_argmax: torch.Tensor | None = None,  # [T] the cache's argmax of lm_head(H_t), if stored
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:
     """Total loss Σ_k w_k (feature_weight · feature_k + kl_weight · kl_k), w_k = step_weight_decay^(k-1); metrics.
 
@@ -251,7 +279,8 @@ def unrolled_losses(
 
     Metrics (detached 0-dim tensors, left on the device; `rows` are ints): `loss`, and per step k `step{k}/feature`,
     `/kl`, `/top1`, `/top3`, `/alpha`, `/coverage` (means over counted rows), `/rows`. A head with a reduced draft
-    vocabulary exposes `draft_ids` ([N] target ids): its KL is restricted to it (see `distill_sums`).
+    vocabulary exposes `draft_ids` ([N] target ids): its KL is restricted to it (see `distill_sums`); with
+    `target_argmax` (stored by precompute) it is computed without full-vocabulary logits.
     """
     if sum(lengths) != token_ids.shape[0] or any(n < 0 for n in lengths):
         raise ValueError(f"lengths {lengths} do not partition the {token_ids.shape[0]} packed tokens")
@@ -273,7 +302,7 @@ def unrolled_losses(
         out = head(token_ids[rows.read], hidden, batch)  # [R, d]
         losses = step_losses(
             out, target_hidden[rows.read], rows.counted, head.lm_head_weight, chunk_size, feature_beta,
-            getattr(head, "draft_ids", None),
+            getattr(head, "draft_ids", None), None if target_argmax is None else target_argmax[rows.read],
         )
         step_loss = step_weight_decay ** (k - 1) * (feature_weight * losses.feature + kl_weight * losses.kl)
         total = step_loss if total is None else total + step_loss

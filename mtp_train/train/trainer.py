@@ -307,6 +307,7 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
             loss, metrics = unrolled_losses(
                 engine, batch.input_ids.to(device), batch.hidden.to(device), batch.loss_mask.to(device),
                 batch.lengths, **loss_kwargs,
+                target_argmax=None if batch.target_argmax is None else batch.target_argmax.to(device),
             )
             engine.backward(loss)
             engine.step()
