@@ -1,4 +1,6 @@
 # mtp_train — the two commands for a fresh machine: `make demo` (the main job) and `make test`.
+# `make demo` runs the whole pipeline on the default recipe (prepare, 2-rank precompute, 2-rank DeepSpeed training,
+# eval, export) and prints a summary table; DEMO_ARGS passes options to scripts/demo.py (--set key=value, --nproc N).
 # Everything installs into .venv; fetched models and data land in data/ (git-ignored).
 
 PYTHON ?= python3
@@ -22,8 +24,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 assets: setup
 	$(BIN)/mtp-train fetch-assets
 
+DEMO_ARGS ?=
 demo: assets
+	$(BIN)/mtp-train fetch-assets --dataset sharegpt
 	$(BIN)/mtp-train generate --prompt "What is the capital of France?"
+	$(BIN)/python scripts/demo.py $(DEMO_ARGS)
 
 # pytest exits 5 when it collected no test: that is a failure here (make stops on any non-zero exit).
 test: setup assets

@@ -58,6 +58,7 @@ def tiny_recipe_overrides(root: Path, target: Path, source: Path, **extra) -> li
         "precompute.samples_per_shard": "4",
         "precompute.tokens_per_batch": "256",
         "train.run_dir": str(root / "run"),
+        "head.draft_vocab_size": "full",  # the default recipe's 8192 exceeds the tiny vocabulary
         "tracking.wandb.mode": "disabled",
     }
     overrides.update({k: str(v) for k, v in extra.items()})

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""The whole pipeline on the default recipe, stage by stage, then one summary table (`make demo`).
+
+    prepare (self-distilled replies) -> precompute (torchrun, N ranks) -> draft-vocab -> train (torchrun, DeepSpeed)
+    -> eval (held-out prompts: plain, prompt lookup, MTP speculative) -> export (every format) -> summary
+
+Each stage is the normal `mtp-train` subcommand in a subprocess (its own progress bar shows); stages whose output
+is already complete return at once (prepare/precompute are idempotent, train resumes), so a rerun after an
+interruption continues. The summary is printed and written to `<run_dir>/demo_summary.md` and `.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_RECIPE = REPO / "recipes" / "smollm2-135m-mtp.yaml"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=str(DEFAULT_RECIPE))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks for precompute and train (torchrun)")
+    args = parser.parse_args()
+
+    from mtp_train.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    run_dir = Path(recipe.train.run_dir or f"runs/{recipe.name}")
+    prepared_dir = Path(recipe.data.output_dir or f"data/prepared/{recipe.name}")
+    features_dir = Path(recipe.precompute.output_dir or f"data/features/{recipe.name}")
+    exports_dir = REPO / "exports" / recipe.name
+    sets = [a for o in args.overrides for a in ("--set", o)]
+    recipe_args = ["--recipe", args.recipe, *sets]
+    threads = str(max(1, (os.cpu_count() or 2) // args.nproc))
+    timings: dict[str, float] = {}
+
+    def stage(name: str, argv: list[str], ranks: int = 1) -> None:
+        if ranks > 1:
+            command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+                       "--master-port=29571", "-m", "mtp_train", *argv]
+            env = {**os.environ, "OMP_NUM_THREADS": threads}
+        else:
+            command, env = [sys.executable, "-m", "mtp_train", *argv], dict(os.environ)
+        print(f"\n=== {name}: mtp-train {' '.join(argv)}" + (f" (torchrun, {ranks} ranks)" if ranks > 1 else ""),
+              flush=True)
+        started = time.perf_counter()
+        result = subprocess.run(command, cwd=REPO, env=env)
+        timings[name] = time.perf_counter() - started
+        if result.returncode != 0:
+            raise SystemExit(f"demo: stage {name} failed (exit {result.returncode}); fix it and rerun `make demo` "
+                             "(finished stages are skipped)")
+        print(f"=== {name}: {timings[name]:.0f} s", flush=True)
+
+    total_started = time.perf_counter()
+    stage("prepare", ["prepare", *recipe_args])
+    stage("precompute", ["precompute", *recipe_args], ranks=args.nproc)
+    if recipe.head.draft_vocab_size != "full":
+        stage("draft-vocab", ["draft-vocab", *recipe_args])
+    stage("train", ["train", *recipe_args], ranks=args.nproc)
+    stage("eval", ["eval", *recipe_args])
+    exports = _export_all(run_dir / "head", recipe.target.path, exports_dir, timings)
+    timings["total"] = time.perf_counter() - total_started
+
+    summary = _summary(recipe, prepared_dir, features_dir, run_dir, exports, timings)
+    markdown = _markdown(summary)
+    print("\n" + markdown)
+    (run_dir / "demo_summary.md").write_text(markdown + "\n", encoding="utf-8")
+    (run_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    print(f"(also in {run_dir / 'demo_summary.md'})")
+    return 0
+
+
+def _export_all(head_dir: Path, target: str, exports_dir: Path, timings: dict[str, float]) -> dict[str, str]:
+    """Every format; a format that cannot hold this head records the refusal (it names what would be lost)."""
+    from mtp_train.errors import UserError
+    from mtp_train.export import FORMAT_NAMES
+    from mtp_train.export.exporter import export_head
+
+    print("\n=== export: " + ", ".join(FORMAT_NAMES), flush=True)
+    started = time.perf_counter()
+    exports = {}
+    for name in FORMAT_NAMES:
+        try:
+            out = export_head(head_dir, name, exports_dir / name, target, overwrite=True)
+            exports[name] = str(out)
+        except UserError as err:
+            exports[name] = f"refused: {err}"
+        print(f"  {name}: {exports[name]}", flush=True)
+    timings["export"] = time.perf_counter() - started
+    return exports
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _summary(recipe, prepared_dir: Path, features_dir: Path, run_dir: Path, exports: dict, timings: dict) -> dict:
+    stats = _read_json(prepared_dir / "stats.json")
+    manifest = _read_json(features_dir / "manifest.json")
+    train_summary = _read_json(run_dir / "summary.json")
+    report = _read_json(run_dir / "eval" / "report.json")
+    cache_bytes = sum(
+        shard["nbytes"] for split in manifest.get("splits", {}).values() for shard in split.get("shards", [])
+    )
+    overall = report.get("overall", {})
+    methods = {
+        method: {key: result.get(key) for key in ("tau", "tokens_per_s", "speedup", "acceptance_per_position")}
+        for method, result in overall.items()
+    }
+    steps = sorted({int(k.split("/")[1][4:]) for k in train_summary if k.startswith("val/step") and k.endswith("/top1")})
+    return {
+        "recipe": recipe.name,
+        "data": {
+            "rows_read": stats.get("rows_read"), "samples": stats.get("kept"), "tokens": stats.get("tokens"),
+            "assistant_tokens": stats.get("assistant_tokens"),
+            "regenerated": (stats.get("regeneration") or {}).get("replies"),
+            "train_samples": stats.get("splits", {}).get("train", {}).get("samples"),
+            "eval_samples": stats.get("splits", {}).get("eval", {}).get("samples"),
+        },
+        "cache": {"bytes": cache_bytes, "bytes_per_token": manifest.get("bytes_per_token"),
+                  "storage_dtype": manifest.get("storage_dtype")},
+        "train": {
+            "steps": train_summary.get("steps"), "tokens": train_summary.get("tokens"),
+            "seconds": train_summary.get("train_seconds"), "world_size": train_summary.get("world_size"),
+            "draft_vocab_size": train_summary.get("draft_vocab_size"),
+            "draft_vocab_coverage": train_summary.get("draft_vocab_coverage"),
+            "heldout_top1": {k: train_summary.get(f"val/step{k}/top1") for k in steps},
+            "heldout_top3": {k: train_summary.get(f"val/step{k}/top3") for k in steps},
+        },
+        "eval": {"prompts": report.get("prompts"), "num_prompts": report.get("num_prompts"),
+                 "max_new_tokens": report.get("settings", {}).get("max_new_tokens"), "methods": methods,
+                 "best": report.get("best", {}).get("method")},
+        "exports": exports,
+        "seconds": {k: round(v, 1) for k, v in timings.items()},
+    }
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _markdown(summary: dict) -> str:
+    data, cache, train, ev = summary["data"], summary["cache"], summary["train"], summary["eval"]
+    seconds = summary["seconds"]
+    lines = [f"## Demo summary: {summary['recipe']}", "", "| | |", "|---|---|"]
+    lines.append(f"| data | {data['samples']} samples from {data['rows_read']} rows ({data['regenerated'] or 0} replies "
+                 f"regenerated by the target); {data['tokens']} tokens, {data['assistant_tokens']} assistant; "
+                 f"{data['train_samples']} train / {data['eval_samples']} held-out |")
+    lines.append(f"| feature cache | {cache['bytes'] / 2**20:.1f} MiB ({cache['storage_dtype']}, "
+                 f"{_fmt(cache['bytes_per_token'], '.0f')} B/token) |")
+    lines.append(f"| training | {train['steps']} steps, {train['tokens']} tokens, {_fmt(train['seconds'], '.0f')} s on "
+                 f"{train['world_size']} rank(s); draft vocabulary {train['draft_vocab_size']} tokens "
+                 f"(covers {_fmt(train['draft_vocab_coverage'], '.1%')} of the labels) |")
+    top1 = ", ".join(f"step {k}: {_fmt(v, '.1%')}" for k, v in train["heldout_top1"].items())
+    lines.append(f"| held-out top-1 per unroll step | {top1} |")
+    lines.append(f"| stage times | " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + " |")
+    lines += ["", f"Held-out prompts: {ev['num_prompts']} ({ev['prompts']}), ≤ {ev['max_new_tokens']} new tokens, "
+              "greedy, batch 1, bf16.", "", "| method | τ | acceptance by position | tok/s | speedup vs plain |",
+              "|---|---|---|---|---|"]
+    for method, r in ev["methods"].items():
+        acceptance = ", ".join(f"{a:.2f}" for a in r.get("acceptance_per_position") or [])
+        best = " **(best)**" if method == ev["best"] else ""
+        lines.append(f"| {method}{best} | {_fmt(r['tau'])} | {acceptance} | {_fmt(r['tokens_per_s'], '.1f')} | "
+                     f"{_fmt(r.get('speedup') or (1.0 if method == 'plain' else None), '.2f')}× |")
+    lines += ["", "| export format | result |", "|---|---|"]
+    lines += [f"| {name} | {where} |" for name, where in summary["exports"].items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
