@@ -473,15 +473,18 @@ def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -
     else:
         skipped.append("val_top1_by_step.png: no run has held-out validation numbers")
 
-    # 3. Acceptance by position (best method) and τ by k, from the eval reports.
+    # 3. Acceptance by position (at the largest k evaluated) and τ by k, from the eval reports.
     with_eval = [(run, n["eval"]) for run, n in zip(runs, numbers) if n["eval"] and n["eval"]["by_k"]]
     if with_eval:
         fig, (ax_acc, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
+        longest = 1
         for run, evaluation in with_eval:
-            best = evaluation["best"] or {}
-            rates = best.get("acceptance_per_position") or []
+            # The largest k evaluated shows the whole draft chain (the best k may be 1: a single point).
+            deepest = evaluation["by_k"][max(evaluation["by_k"])]
+            rates = deepest.get("acceptance_per_position") or []
             if rates:
-                ax_acc.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{run.label} ({best.get('method')})")
+                longest = max(longest, len(rates))
+                ax_acc.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{run.label} ({deepest['method']})")
             line = ax_tau.plot(list(evaluation["by_k"]), [e["tau"] or 0.0 for e in evaluation["by_k"].values()],
                                marker="o", label=f"{run.label} ({evaluation['draft_method']})")[0]
             for name, ks in evaluation["baselines"].items():
@@ -489,10 +492,11 @@ def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -
                             color=line.get_color(), alpha=0.6, label=f"{run.label} ({name})")
         for axis in (ax_acc, ax_tau):
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax_acc.set_xlim(0.5, longest + 0.5)
         ax_acc.set_xlabel("draft position")
         ax_acc.set_ylabel("acceptance rate (unconditional)")
         ax_acc.set_ylim(0, 1)
-        ax_acc.set_title("Acceptance by position (best method)")
+        ax_acc.set_title("Acceptance by position (largest k)")
         ax_acc.grid(alpha=0.3)
         ax_acc.legend(fontsize=8)
         ax_tau.set_xlabel("speculative tokens k")
