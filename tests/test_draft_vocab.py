@@ -286,7 +286,9 @@ def tiny_features(tmp_path_factory):
     return root, recipe, overrides
 
 
-def _expected_data_counts(features_dir, vocab_size: int) -> torch.Tensor:
+def _expected_counts(features_dir, vocab_size: int, label_of) -> torch.Tensor:
+    """Label counts recomputed sample by sample from the shards: `label_of(batch, rows)` gives the labels of the
+    packed positions `rows` (loss positions j >= 2 of each sample)."""
     from mtp_train.features.reader import FeatureReader
 
     reader = FeatureReader(features_dir, "train", micro_batch_tokens=10**9)
@@ -295,9 +297,9 @@ def _expected_data_counts(features_dir, vocab_size: int) -> torch.Tensor:
         batch = reader.load(positions)
         start = 0
         for n in batch.lengths:
-            ids, mask = batch.input_ids[start : start + n], batch.loss_mask[start : start + n].bool()
+            mask = batch.loss_mask[start : start + n].bool().clone()
             mask[:2] = False
-            counts += torch.bincount(ids[mask], minlength=vocab_size)
+            counts += torch.bincount(label_of(batch, mask.nonzero().squeeze(1) + start), minlength=vocab_size)
             start += n
     return counts
 
@@ -310,28 +312,21 @@ def test_counts_from_data_and_target(tiny_features):
     features_dir = root / "features"
     vocab = target.config.vocab_size
     data_counts = count_next_tokens(features_dir, "data", vocab, progress=False)
-    assert torch.equal(data_counts, _expected_data_counts(features_dir, vocab))
+    assert torch.equal(data_counts, _expected_counts(features_dir, vocab, lambda batch, rows: batch.input_ids[rows]))
     with torch.inference_mode():
         target_counts = count_next_tokens(features_dir, "target", vocab, target.lm_head.weight, progress=False)
     assert target_counts.sum() == data_counts.sum()  # one label per counted row either way
     # The target's argmax labels, recomputed directly from the stored hidden states.
-    from mtp_train.features.reader import FeatureReader
-
-    reader = FeatureReader(features_dir, "train", micro_batch_tokens=10**9)
-    expected = torch.zeros(vocab, dtype=torch.long)
-    for positions in reader.epoch_batches(0):
-        batch = reader.load(positions)
-        start = 0
-        for n in batch.lengths:
-            mask = batch.loss_mask[start : start + n].bool().clone()
-            mask[:2] = False
-            rows = mask.nonzero().squeeze(1) - 1 + start
-            expected += torch.bincount((batch.hidden[rows] @ target.lm_head.weight.T).argmax(-1), minlength=vocab)
-            start += n
+    expected = _expected_counts(
+        features_dir, vocab, lambda batch, rows: (batch.hidden[rows - 1] @ target.lm_head.weight.T).argmax(-1)
+    )
     assert torch.equal(target_counts, expected)
     # Precompute stored the same argmax per position (from the stored hidden states).
     manifest = json.loads((features_dir / "manifest.json").read_text())
     assert manifest["target_argmax"] is True
+    from mtp_train.features.reader import FeatureReader
+
+    reader = FeatureReader(features_dir, "train", micro_batch_tokens=10**9)
     batch = reader.load(reader.epoch_batches(0)[0])
     assert torch.equal(batch.target_argmax, (batch.hidden @ target.lm_head.weight.T).argmax(-1))
     # Ranks split the samples; their counts add up to the single-process count.

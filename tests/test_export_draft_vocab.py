@@ -15,9 +15,7 @@ from safetensors.torch import load_file, save_file
 from mtp_train.errors import UserError
 from mtp_train.export import export_head, inspect_dir, load_any_head
 from mtp_train.heads import DraftHead, HeadConfig, load_head, save_head
-from mtp_train.runtime.loader import load_model
-from tests.conftest import save_tiny_model
-from tests.test_export import EXPECTED, draft_logits, run_cli
+from tests.test_export import EXPECTED, draft_logits, run_cli, target, target_dir  # noqa: F401 - fixtures
 
 V = 96  # the tiny target's vocabulary
 DRAFT_IDS = torch.tensor([0, 1, 2, 5, 9, 17, 40, 41, 63, 80, 94, 95])  # both ends of the vocabulary, gaps and runs
@@ -28,14 +26,6 @@ TOKEN_MAP = "speculative_token_map.pt"
 CARRIED = [("native", "mtp"), ("native", "eagle1"), ("eagle", "eagle1")]
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("target"), "llama", seed=3)
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return load_model(target_dir, dtype="float32", device="cpu")
 
 
 def make_reduced_head(target, kind: str, dtype=torch.float32, draft_ids=DRAFT_IDS, num_layers: int = 1) -> DraftHead:

@@ -14,7 +14,6 @@ Counts are cached in `<features>/draft_vocab/<source>-counts.safetensors`, tied 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -36,7 +35,9 @@ def _manifest_digest(features_dir: Path) -> str:
 
 
 def _stores_argmax(features_dir: Path) -> bool:
-    return bool(json.loads((features_dir / "manifest.json").read_text()).get("target_argmax"))
+    from mtp_train.features.format import load_manifest
+
+    return bool(load_manifest(features_dir).get("target_argmax"))
 
 
 def count_next_tokens(
