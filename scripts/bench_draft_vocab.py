@@ -67,6 +67,7 @@ def main() -> None:
     from mtp_train.runtime.cpu import tune_malloc
     from mtp_train.runtime.loader import load_model, load_tokenizer
     from mtp_train.runtime.sampler import SamplingParams
+    from step_costs import head_step_seconds, target_step_seconds
 
     tune_malloc()
     recipe = load_recipe(args.recipe, args.overrides)
@@ -87,8 +88,8 @@ def main() -> None:
     with torch.inference_mode():
         totals = run_methods(target, tokenizer, prompts, heads, args.ks, args.new_tokens,
                              SamplingParams(temperature=0.0), stops, show_progress=True)
-        step_seconds = {size: _head_step_seconds(target, head, prompts[0].prompt_ids) for size, head in heads.items()}
-        decode_seconds = _decode_step_seconds(target, prompts[0].prompt_ids)
+    step_seconds = {size: head_step_seconds(target, head, prompts[0].prompt_ids) for size, head in heads.items()}
+    decode_seconds = target_step_seconds(target, prompts[0].prompt_ids, [1])[1]
     plain = totals["plain"]["all"]
     plain_tps = plain.new_tokens / plain.seconds
 
@@ -126,53 +127,6 @@ def main() -> None:
     fastest = max(args.sizes, key=lambda s: best_by_size[s][1]["tokens_per_s"])
     result["fastest"] = fastest
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
-
-
-def _decode_step_seconds(target, prompt_ids: list[int], repeats: int = 20) -> float:
-    from mtp_train.runtime.attention import BatchInfo
-    from mtp_train.runtime.kv_cache import PageAllocator, Sequence
-
-    allocator = PageAllocator(64, 16)
-    cache, seq = target.new_kv_cache(allocator), Sequence(0)
-    target(torch.tensor(prompt_ids), BatchInfo.for_sequences([seq], [len(prompt_ids)], allocator), cache)
-
-    def step():
-        target(torch.tensor(prompt_ids[:1]), BatchInfo.for_sequences([seq], [1], allocator, advance=False), cache)
-
-    return _timed(step, repeats)
-
-
-def _head_step_seconds(target, head, prompt_ids: list[int], repeats: int = 50) -> float:
-    """One draft step at batch 1: the head's layer over its cache plus the vocabulary projection."""
-    from mtp_train.runtime.attention import BatchInfo
-    from mtp_train.runtime.kv_cache import PageAllocator, Sequence
-
-    allocator = PageAllocator(64, 16)
-    cache, head_cache = target.new_kv_cache(allocator), head.new_kv_cache(allocator)
-    seq, head_seq = Sequence(0), Sequence(1)
-    out = target(torch.tensor(prompt_ids), BatchInfo.for_sequences([seq], [len(prompt_ids)], allocator), cache,
-                 return_hidden=True)
-    n = len(prompt_ids) - 1
-    head(torch.tensor(prompt_ids[1:]), out.hidden[:-1], BatchInfo.for_sequences([head_seq], [n], allocator), head_cache)
-    last_hidden, token = out.hidden[-1:], torch.tensor(prompt_ids[-1:])
-
-    def step():
-        batch = BatchInfo.for_sequences([head_seq], [1], allocator, advance=False)
-        head.logits(head(token, last_hidden, batch, head_cache)).argmax(-1)
-
-    return _timed(step, repeats)
-
-
-def _timed(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(3):  # best of 3 rounds: the machine is shared
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
 
 
 if __name__ == "__main__":

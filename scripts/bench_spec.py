@@ -35,12 +35,11 @@ def main() -> None:
     from mtp_train.assets import ensure_default_model
     from mtp_train.export.load import load_any_head
     from mtp_train.heads import DraftHead, HeadConfig
-    from mtp_train.runtime.attention import BatchInfo
     from mtp_train.runtime.chat import encode_chat, stop_token_ids
     from mtp_train.runtime.generate import generate
-    from mtp_train.runtime.kv_cache import PageAllocator, Sequence
     from mtp_train.runtime.loader import load_model, load_tokenizer
     from mtp_train.runtime.speculative import PromptLookup, speculative_generate
+    from step_costs import head_step_seconds, target_step_seconds
 
     target_dir = Path(args.target) if args.target else ensure_default_model()
     ours = load_model(target_dir, dtype="bfloat16", device="cpu")
@@ -98,33 +97,10 @@ def main() -> None:
         result[name] = (tps, tau)
 
     # Cost profile: what one target decode step, one verify of k+1 tokens and one head step cost.
-    allocator = PageAllocator(64, 16)
-    cache, head_cache = ours.new_kv_cache(allocator), head.new_kv_cache(allocator)
-    seq, head_seq = Sequence(0), Sequence(1)
-    ids = prompts[0]
-    with torch.inference_mode():
-        out = ours(torch.tensor(ids), BatchInfo.for_sequences([seq], [len(ids)], allocator), cache, return_hidden=True)
-        head(torch.tensor(ids[1:]), out.hidden[:-1], BatchInfo.for_sequences([head_seq], [len(ids) - 1], allocator),
-             head_cache)
-
-        def timed(fn, repeats=10):
-            fn()
-            start = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            return (time.perf_counter() - start) / repeats
-
-        def target_step(n):
-            batch = BatchInfo.for_sequences([seq], [n], allocator, advance=False)
-            ours(torch.tensor(ids[:n]), batch, cache)
-
-        def head_step():
-            batch = BatchInfo.for_sequences([head_seq], [1], allocator, advance=False)
-            head.logits(head(torch.tensor(ids[:1]), out.hidden[-1:], batch, head_cache))
-
-        decode = timed(lambda: target_step(1))
-        profile = {f"verify{k + 1}": timed(lambda k=k: target_step(k + 1)) / decode for k in args.ks}
-        head_cost = timed(head_step) / decode
+    target_seconds = target_step_seconds(ours, prompts[0], [1] + [k + 1 for k in args.ks], repeats=10)
+    decode = target_seconds[1]
+    profile = {f"verify{k + 1}": target_seconds[k + 1] / decode for k in args.ks}
+    head_cost = head_step_seconds(ours, head, prompts[0], repeats=10) / decode
     print("cost relative to one target decode step: " + ", ".join(f"{k}={v:.2f}" for k, v in profile.items()) +
           f", head step (with vocab projection)={head_cost:.2f}")
     best = max((n for n in result if n.startswith("ours_mtp")), key=lambda n: result[n][0])

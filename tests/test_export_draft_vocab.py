@@ -26,8 +26,6 @@ TOKEN_MAP = "speculative_token_map.pt"
 CARRIED = [("native", "mtp"), ("native", "eagle1"), ("eagle", "eagle1")]
 
 
-
-
 def make_reduced_head(target, kind: str, dtype=torch.float32, draft_ids=DRAFT_IDS, num_layers: int = 1) -> DraftHead:
     """A random-init head over `draft_ids`, norms and biases perturbed away from 1/0 so a mix-up shows."""
     torch.manual_seed(0)

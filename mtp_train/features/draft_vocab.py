@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from mtp_train.features.format import load_manifest
 from mtp_train.fileio import atomic_write_bytes
 from mtp_train.heads.vocab import coverage, select_draft_vocab
 
@@ -35,8 +36,6 @@ def _manifest_digest(features_dir: Path) -> str:
 
 
 def _stores_argmax(features_dir: Path) -> bool:
-    from mtp_train.features.format import load_manifest
-
     return bool(load_manifest(features_dir).get("target_argmax"))
 
 
