@@ -27,6 +27,7 @@ assets: setup
 DEMO_ARGS ?=
 demo: assets
 	$(BIN)/mtp-train fetch-assets --dataset sharegpt
+	$(BIN)/mtp-train env
 	$(BIN)/mtp-train generate --prompt "What is the capital of France?"
 	$(BIN)/python scripts/demo.py $(DEMO_ARGS)
 

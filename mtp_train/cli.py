@@ -25,6 +25,7 @@ STAGE_MODULES = [
     "mtp_train.evaluate.cli",
     "mtp_train.evaluate.compare",
     "mtp_train.export.cli",
+    "mtp_train.env_report",
 ]
 
 

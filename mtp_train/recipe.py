@@ -50,7 +50,16 @@ class TargetConfig(_Section):
     path: str = Field(
         "data/models/smollm2-135m-instruct", description="HF model directory (config + weights + tokenizer)"
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="compute dtype of prefill, precompute and training (the weights' dtype); auto = the fastest the "
+        "device really has (runtime/precision.py: bf16 on CUDA and on CPUs with native bf16, else fp32)",
+    )
+    decode_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="weights of the few-row matmuls of decode, verify and draft steps; auto = `dtype` when that is "
+        "set, else timed on this machine (bf16 weights where they are faster: half the bytes to stream)",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
@@ -462,6 +471,13 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] | None = None) -> str:
         data = {name: data[name] for name in chosen}
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def with_precision(recipe: Recipe, dtype: str, decode_dtype: str) -> Recipe:
+    """The recipe with `target.dtype: auto` (and `decode_dtype`) replaced by what a stage resolved them to, so that
+    `recipe.resolved.yaml` records the dtypes that really ran."""
+    target = recipe.target.model_copy(update={"dtype": dtype, "decode_dtype": decode_dtype})
+    return recipe.model_copy(update={"target": target})
 
 
 def save_resolved(recipe: Recipe, directory: str | os.PathLike[str]) -> Path:

@@ -1,5 +1,8 @@
 #!/usr/bin/env python
-"""Plain decode speed: our paged runtime vs transformers `generate`, same prompts, bf16, batch 1, greedy.
+"""Plain decode speed: our paged runtime vs transformers `generate`, same prompts, batch 1, greedy.
+
+`--dtype auto` (default) runs ours as the pipeline does (`mtp-train env` shows the choice: on an AVX2-only CPU fp32
+weights with bf16 copies for decode matmuls); transformers runs in the dtype our decode weights have.
 
 Both decode exactly `--new-tokens` tokens per prompt (end-of-turn ignored) and are timed alternately, prompt by
 prompt, in one process, so machine noise hits both alike. Prints a table and a final `RESULT` line.
@@ -37,7 +40,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, default=Path("../shared/data/eval/mt_bench.jsonl"))
     parser.add_argument("--num-prompts", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens")
     args = parser.parse_args()
@@ -54,8 +57,13 @@ def main() -> None:
     from mtp_train.runtime.loader import load_model, load_tokenizer
 
     target = Path(args.target) if args.target else ensure_default_model()
-    dtype = getattr(torch, args.dtype)
-    ours = load_model(target, dtype=args.dtype, device="cpu")
+    from mtp_train.runtime.hardware import machine_fields
+    from mtp_train.runtime.precision import resolve_precision
+
+    precision = resolve_precision(args.dtype, "auto", "cpu")
+    print(f"ours: {precision.describe()}")
+    dtype = precision.decode_torch_dtype
+    ours = load_model(target, device="cpu", precision=precision)
     tokenizer = load_tokenizer(target)
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in load_prompts(args.prompts, args.num_prompts)]
@@ -87,7 +95,8 @@ def main() -> None:
     print(f"mean: ours {ours_mean:.1f} tok/s, transformers {hf_mean:.1f} tok/s, median ratio {ratio:.2f}")
     print(
         f"RESULT ours_tok_s={ours_mean:.2f} hf_tok_s={hf_mean:.2f} ratio={ratio:.3f} "
-        f"dtype={args.dtype} new_tokens={args.new_tokens} prompts={len(prompts)} threads={torch.get_num_threads()}"
+        f"decode_dtype={precision.decode_dtype} hf_dtype={str(dtype).removeprefix('torch.')} new_tokens={args.new_tokens} "
+        f"prompts={len(prompts)} threads={torch.get_num_threads()} {machine_fields(precision.dtype)}"
     )
 
 

@@ -76,11 +76,16 @@ def main() -> None:
         if not (args.reuse and (run_dir / "head" / "model.safetensors").is_file()):
             _train(args.recipe, args.overrides, size, args.steps, run_dir, args.nproc)
 
-    target = load_model(recipe.target.path, dtype="bfloat16", device="cpu")
+    from mtp_train.runtime.hardware import machine_fields
+    from mtp_train.runtime.precision import apply_decode_weights, resolve_precision
+
+    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, "cpu")
+    print(f"eval: {precision.describe()}")
+    target = load_model(recipe.target.path, device="cpu", precision=precision)
     tokenizer = load_tokenizer(recipe.target.path)
     heads, summaries = {}, {}
     for size in args.sizes:
-        heads[size] = load_head(args.out / size / "head", target)
+        heads[size] = apply_decode_weights(load_head(args.out / size / "head", target), precision)
         summaries[size] = json.loads((args.out / size / "summary.json").read_text())
     prepared_dir = recipe.data.output_dir or f"data/prepared/{recipe.name}"
     prompts = load_heldout(prepared_dir, args.num_prompts).prompts
@@ -93,7 +98,7 @@ def main() -> None:
     plain = totals["plain"]["all"]
     plain_tps = plain.new_tokens / plain.seconds
 
-    print(f"\n{len(prompts)} held-out prompts, <= {args.new_tokens} new tokens, bf16, batch 1, greedy; "
+    print(f"\n{len(prompts)} held-out prompts, <= {args.new_tokens} new tokens, {precision.describe()}, batch 1, greedy; "
           f"{args.steps} training steps per head; plain decode {plain_tps:.1f} tok/s")
     print(f"{'draft vocab':>11s} {'coverage':>8s} {'top1':>6s} {'head ms':>8s} {'vs full':>7s} " +
           " ".join(f"{'tau@' + str(k):>6s} {'tok/s@' + str(k):>8s}" for k in args.ks) + f" {'best':>9s}")
@@ -126,7 +131,8 @@ def main() -> None:
         result[f"{key}_best_vs_full"] = round(best_by_size[size][1]["tokens_per_s"] / full_best, 3)
     fastest = max(args.sizes, key=lambda s: best_by_size[s][1]["tokens_per_s"])
     result["fastest"] = fastest
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()) + f" decode_dtype={precision.decode_dtype} "
+          + machine_fields(precision.dtype))
 
 
 if __name__ == "__main__":

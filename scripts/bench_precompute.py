@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Precompute speed: our runtime (ragged prefill, no padding, no logits) vs transformers forward with
-`output_hidden_states=True` (padded batches), bf16, on the same batches of ShareGPT conversations; plus bytes/token
-and reconstruction error of each feature storage dtype. Ends with a `RESULT` line."""
+`output_hidden_states=True` (padded batches), both in the compute dtype `target.dtype: auto` picks here (`--dtype` to
+force one), on the same batches of ShareGPT conversations; when that is not bf16, our runtime forced to bf16 beside it;
+the fraction of this machine's measured matmul peak; bytes/token and reconstruction error of each feature storage
+dtype. Ends with a `RESULT` line naming the machine."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (both contenders)")
     parser.add_argument("--quick", action="store_true", help="16 conversations, 1 repeat")
     args = parser.parse_args()
     if args.quick:
@@ -56,15 +59,20 @@ def main() -> None:
     batches = pack_batches(order, lengths, args.tokens_per_batch)
     total_tokens = sum(lengths)
 
-    ours = load_model(target, dtype="bfloat16", device="cpu")
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+    from mtp_train.runtime.hardware import machine_fields, measure_matmul_gflops
+    from mtp_train.runtime.precision import resolve_precision
+
+    precision = resolve_precision(args.dtype, "auto", "cpu", phases=("prefill",))
+    print(f"compute: {precision.describe('prefill')}")
+    ours = load_model(target, dtype=precision.dtype, device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=precision.torch_dtype).eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    def run_ours():
+    def run_ours(model=ours):
         out = []
         for batch in batches:
             ids = torch.tensor([t for i in batch for t in sequences[i]])
-            h = ours(ids, BatchInfo.without_cache([lengths[i] for i in batch]), compute_logits=False, return_hidden=True)
+            h = model(ids, BatchInfo.without_cache([lengths[i] for i in batch]), compute_logits=False, return_hidden=True)
             out.append(h.hidden)
         return out
 
@@ -98,7 +106,24 @@ def main() -> None:
     ratio = statistics.median(o / h for o, h in zip(ours_tps, hf_tps))
     print(f"{len(sequences)} conversations, {total_tokens} tokens, {len(batches)} batches of <= {args.tokens_per_batch} tokens")
     print(f"ours {statistics.mean(ours_tps):.0f} tok/s, transformers {statistics.mean(hf_tps):.0f} tok/s, ratio {ratio:.2f}")
-    print(f"ours vs transformers hidden states (both bf16): max abs diff {max_diff:.4f}, mean relative L2 {rel_diff:.2e}")
+    print(f"ours vs transformers hidden states (both {precision.dtype}): max abs diff {max_diff:.4f}, "
+          f"mean relative L2 {rel_diff:.2e}")
+    flops = ours.prefill_flops(lengths)
+    peak = measure_matmul_gflops(precision.torch_dtype)
+    achieved = flops / total_tokens * statistics.mean(ours_tps) / 1e9
+    print(f"ours: {achieved:.1f} GFLOP/s = {achieved / peak:.0%} of this machine's measured {precision.dtype} matmul "
+          f"peak ({peak:.1f} GFLOP/s, {torch.get_num_threads()} threads)")
+    bf16_fields = ""
+    if precision.dtype != "bfloat16":
+        forced = load_model(target, dtype="bfloat16", device="cpu")
+        run_ours(forced)  # warm-up
+        start = time.perf_counter()
+        run_ours(forced)
+        bf16_tps = total_tokens / (time.perf_counter() - start)
+        speedup = statistics.mean(ours_tps) / bf16_tps
+        print(f"ours forced to bf16: {bf16_tps:.0f} tok/s; {precision.dtype} is {speedup:.2f}x faster")
+        bf16_fields = f"ours_bf16_tok_s={bf16_tps:.1f} {precision.dtype}_vs_bf16={speedup:.3f} "
+        del forced
 
     # Storage error is measured on fp32 features (the bf16 run's states are already bf16-rounded).
     ours32 = load_model(target, dtype="float32", device="cpu")
@@ -118,7 +143,9 @@ def main() -> None:
         f"{name}_bytes_per_token={b:.0f} {name}_rel_err={e:.2e}" for name, (b, e) in storage.items()
     )
     print(f"RESULT ours_tok_s={statistics.mean(ours_tps):.1f} hf_tok_s={statistics.mean(hf_tps):.1f} "
-          f"ratio={ratio:.3f} tokens={total_tokens} {fields}")
+          f"ratio={ratio:.3f} tokens={total_tokens} {bf16_fields}gflops={achieved:.1f} peak_gflops={peak:.1f} "
+          f"fraction_of_peak={achieved / peak:.3f} {fields} threads={torch.get_num_threads()} "
+          f"{machine_fields(precision.dtype)}")
 
 
 if __name__ == "__main__":

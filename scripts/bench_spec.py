@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Speculative decoding speed on MT-bench prompts, SmolLM2 bf16, batch 1, greedy, in one process:
+"""Speculative decoding speed on MT-bench prompts, SmolLM2 in the dtypes `auto` picks here (`--dtype`), batch 1,
+greedy, in one process:
 transformers `generate`, transformers prompt-lookup generation, our plain decode, our MTP speculative decode
 (k = 1..4) and our prompt lookup; tokens/s and ratios to transformers `generate`, τ, and a cost profile (target
 decode step, target verify of k+1 tokens, one head step). Ends with a `RESULT` line."""
@@ -23,6 +24,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     parser.add_argument("--quick", action="store_true", help="2 prompts, 48 tokens, k = 1 and 3")
     args = parser.parse_args()
     if args.quick:
@@ -42,14 +44,20 @@ def main() -> None:
     from step_costs import head_step_seconds, target_step_seconds
 
     target_dir = Path(args.target) if args.target else ensure_default_model()
-    ours = load_model(target_dir, dtype="bfloat16", device="cpu")
+    from mtp_train.runtime.hardware import machine_fields
+    from mtp_train.runtime.precision import apply_decode_weights, resolve_precision
+
+    precision = resolve_precision(args.dtype, "auto", "cpu")
+    print(f"ours: {precision.describe()}; transformers: {precision.decode_dtype}")
+    ours = load_model(target_dir, device="cpu", precision=precision)
     tokenizer = load_tokenizer(target_dir)
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=precision.decode_torch_dtype).eval()
     if Path(args.head).is_dir():
-        head, head_label = load_any_head(args.head, ours), args.head
+        head, head_label = load_any_head(args.head, ours, dtype=ours.dtype), args.head
     else:
         head = DraftHead.from_target(ours, HeadConfig.for_target(ours.config, ours.fingerprint, kind="mtp"))
-        head_label = "untrained last_layer-init head (no --head found)"
+        head_label = "untrained random-init head (no --head found)"
+    head = apply_decode_weights(head, precision)
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": r["turns"][0]}]) for r in rows[: args.num_prompts]]
     stops = stop_token_ids(tokenizer, ours.config)
@@ -87,7 +95,7 @@ def main() -> None:
                 totals[name][3] += stats.new_tokens
     base = totals["hf_generate"][0] / totals["hf_generate"][1]
     plain = totals["ours_plain"][0] / totals["ours_plain"][1]
-    print(f"head: {head_label}; {len(prompts)} MT-bench prompts, <= {args.new_tokens} new tokens, bf16, batch 1, greedy")
+    print(f"head: {head_label}; {len(prompts)} MT-bench prompts, <= {args.new_tokens} new tokens, batch 1, greedy")
     print(f"{'contender':18s} {'tok/s':>8s} {'vs HF':>6s} {'vs plain':>8s} {'tau':>6s}")
     result = {}
     for name, (tokens, seconds, forwards, spec_tokens) in totals.items():
@@ -109,7 +117,9 @@ def main() -> None:
           f"best_mtp_vs_plain={result[best][0] / plain:.3f} best_mtp_vs_hf={result[best][0] / base:.3f} "
           f"best_mtp_tau={result[best][1]:.3f} lookup_tau={result['ours_lookup_k3'][1]:.3f} "
           + " ".join(f"{n}_tok_s={v[0]:.2f}" for n, v in result.items() if n.startswith("ours_mtp"))
-          + f" head_step_cost={head_cost:.3f} " + " ".join(f"{k}_cost={v:.3f}" for k, v in profile.items()))
+          + f" head_step_cost={head_cost:.3f} " + " ".join(f"{k}_cost={v:.3f}" for k, v in profile.items())
+          + f" decode_dtype={precision.decode_dtype} decode_max_rows={precision.decode_max_rows} "
+          + machine_fields(precision.dtype))
 
 
 def _spec(outcome):

@@ -126,17 +126,23 @@ def _summary(recipe, prepared_dir: Path, features_dir: Path, run_dir: Path, expo
             "eval_samples": stats.get("splits", {}).get("eval", {}).get("samples"),
         },
         "cache": {"bytes": cache_bytes, "bytes_per_token": manifest.get("bytes_per_token"),
-                  "storage_dtype": manifest.get("storage_dtype")},
+                  "storage_dtype": manifest.get("storage_dtype"), "compute_dtype": manifest.get("target_dtype"),
+                  "throughput": manifest.get("throughput")},
         "train": {
             "steps": train_summary.get("steps"), "tokens": train_summary.get("tokens"),
             "seconds": train_summary.get("train_seconds"), "world_size": train_summary.get("world_size"),
             "draft_vocab_size": train_summary.get("draft_vocab_size"),
             "draft_vocab_coverage": train_summary.get("draft_vocab_coverage"),
+            "compute_dtype": train_summary.get("compute_dtype"), "gflops": train_summary.get("gflops"),
+            "peak_gflops": train_summary.get("peak_gflops"), "fraction_of_peak": train_summary.get("fraction_of_peak"),
             "heldout_top1": {k: train_summary.get(f"val/step{k}/top1") for k in steps},
             "heldout_top3": {k: train_summary.get(f"val/step{k}/top3") for k in steps},
         },
         "eval": {"prompts": report.get("prompts"), "num_prompts": report.get("num_prompts"),
                  "max_new_tokens": report.get("settings", {}).get("max_new_tokens"), "methods": methods,
+                 "dtype": report.get("settings", {}).get("dtype"),
+                 "decode_dtype": report.get("settings", {}).get("decode_dtype"),
+                 "machine": report.get("settings", {}).get("cpu_capability"),
                  "best": report.get("best", {}).get("method")},
         "exports": exports,
         "seconds": {k: round(v, 1) for k, v in timings.items()},
@@ -163,9 +169,19 @@ def _markdown(summary: dict) -> str:
                  f"(covers {_fmt(train['draft_vocab_coverage'], '.1%')} of the labels) |")
     top1 = ", ".join(f"step {k}: {_fmt(v, '.1%')}" for k, v in train["heldout_top1"].items())
     lines.append(f"| held-out top-1 per unroll step | {top1} |")
+    throughput = cache.get("throughput") or {}
+    if throughput.get("fraction_of_peak") is not None:
+        lines.append(f"| precompute speed | {throughput['tokens_per_s']:.0f} tok/s in {cache['compute_dtype']}, "
+                     f"{throughput['gflops']:.1f} GFLOP/s = {throughput['fraction_of_peak']:.0%} of the measured matmul "
+                     f"peak ({throughput['peak_gflops']:.1f} GFLOP/s) |")
+    if train.get("fraction_of_peak") is not None:
+        lines.append(f"| training speed | {train['gflops']:.1f} GFLOP/s in {train['compute_dtype']} = "
+                     f"{train['fraction_of_peak']:.0%} of the measured matmul peak ({train['peak_gflops']:.1f} GFLOP/s) |")
     lines.append(f"| stage times | " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + " |")
+    decode = (f"{ev['dtype']}, decode weights {ev['decode_dtype']}" if ev.get("decode_dtype") not in (None, ev["dtype"])
+              else ev.get("dtype"))
     lines += ["", f"Held-out prompts: {ev['num_prompts']} ({ev['prompts']}), ≤ {ev['max_new_tokens']} new tokens, "
-              "greedy, batch 1, bf16.", "", "| method | τ | acceptance by position | tok/s | speedup vs plain |",
+              f"greedy, batch 1, {decode}; {ev.get('machine')}.", "", "| method | τ | acceptance by position | tok/s | speedup vs plain |",
               "|---|---|---|---|---|"]
     for method, r in ev["methods"].items():
         acceptance = ", ".join(f"{a:.2f}" for a in r.get("acceptance_per_position") or [])

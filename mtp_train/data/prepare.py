@@ -138,7 +138,13 @@ def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
     from mtp_train.runtime.sampler import SamplingParams
 
     settings = recipe.data.regenerate
-    model = load_model(recipe.target.path, dtype=recipe.target.dtype, device=recipe.target.device)
+    from mtp_train.runtime.loader import resolve_device
+    from mtp_train.runtime.precision import resolve_precision
+
+    device = resolve_device(recipe.target.device)
+    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device)
+    print(f"prepare --regenerate: {precision.describe()}", flush=True)
+    model = load_model(recipe.target.path, device=device, precision=precision)
     tokenizer = load_chat_tokenizer(recipe.target.path, recipe.data.chat_template)
     stops = stop_token_ids(tokenizer, model.config)
     sampling = SamplingParams(temperature=settings.temperature)

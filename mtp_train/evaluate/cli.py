@@ -74,15 +74,22 @@ def evaluate(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_token
     from mtp_train.runtime.loader import load_model, load_tokenizer
     from mtp_train.runtime.sampler import SamplingParams
 
-    target = load_model(recipe.target.path, dtype=recipe.target.dtype, device=recipe.target.device)
+    from mtp_train.runtime.loader import resolve_device
+    from mtp_train.runtime.precision import apply_decode_weights, resolve_precision
+
+    device = resolve_device(recipe.target.device)
+    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device)
+    print(f"eval: {precision.describe()}", flush=True)
+    target = load_model(recipe.target.path, device=device, precision=precision)
     tokenizer = load_tokenizer(recipe.target.path)
     if head_dir:
         from mtp_train.export.load import load_any_head
 
-        draft = load_any_head(head_dir, target)
+        # The head computes like the target: its weights in the compute dtype, few-row matmuls on decode weights.
+        draft = apply_decode_weights(load_any_head(head_dir, target, dtype=target.dtype), precision)
         name, kind, draft_path = "mtp" if draft.kind == "mtp" else draft.kind, f"head ({draft.kind})", head_dir
     else:
-        draft = _load_draft_model(recipe, draft_dir, target, tokenizer)
+        draft = _load_draft_model(recipe, draft_dir, target, tokenizer, precision)
         name, kind, draft_path = "draft", "draft model (target–draft)", draft_dir
     if prompts_path:
         prompt_set = load_mt_bench(prompts_path, limit)
@@ -98,7 +105,9 @@ def evaluate(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_token
         "name": recipe.name, "target": str(recipe.target.path), "draft": str(draft_path), "draft_kind": kind,
         "draft_method": name,
         "prompts": prompt_set.source, "num_prompts": len(prompt_set.prompts), "skipped": prompt_set.skipped,
-        "settings": {"dtype": recipe.target.dtype, "batch_size": 1, "max_new_tokens": max_new_tokens,
+        "settings": {"dtype": precision.dtype, "decode_dtype": precision.decode_dtype,
+                     "decode_max_rows": precision.decode_max_rows, "precision_reason": precision.reason,
+                     "cpu_capability": _cpu_capability(device), "batch_size": 1, "max_new_tokens": max_new_tokens,
                      "temperature": recipe.eval.temperature, "num_speculative_tokens": ks},
     }
     report = build_report(totals, meta)
@@ -112,11 +121,11 @@ def evaluate(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_token
     return report
 
 
-def _load_draft_model(recipe, draft_dir, target, tokenizer):
+def _load_draft_model(recipe, draft_dir, target, tokenizer, precision):
     from mtp_train.errors import UserError
     from mtp_train.runtime.loader import load_model, load_tokenizer
 
-    draft = load_model(draft_dir, dtype=recipe.target.dtype, device=recipe.target.device)
+    draft = load_model(draft_dir, device=target.device, precision=precision)
     draft_tokenizer = load_tokenizer(draft_dir)
     if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise UserError(f"{draft_dir}: the draft's tokenizer differs from the target's; a draft model must share it")
@@ -145,3 +154,15 @@ def _log_to_run(recipe, run_dir: Path, report: dict, plots: list[Path]) -> None:
             tracker.wandb_run.log({k: v for k, v in row.items() if k != "step"})
             tracker.log_files(plots)
             tracker.wandb_run.finish()
+
+
+def _cpu_capability(device) -> str:
+    """Names the machine in the report: the CUDA device, or the CPU model and torch's CPU capability."""
+    from mtp_train.runtime.hardware import cpu_facts
+
+    if device.type == "cuda":
+        import torch
+
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    facts = cpu_facts()
+    return f"{facts.capability} ({facts.model})"

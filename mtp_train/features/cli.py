@@ -19,7 +19,12 @@ def run_draft_vocab_cli(args) -> int:
     recipe = recipe_from_args(args)
     source = args.source or recipe.head.draft_vocab_source
     features_dir = Path(recipe.precompute.output_dir or f"data/features/{recipe.name}")
-    target = load_model(recipe.target.path, dtype=recipe.target.dtype, device=recipe.target.device)
+    from mtp_train.runtime.loader import resolve_device
+    from mtp_train.runtime.precision import resolve_precision
+
+    device = resolve_device(recipe.target.device)
+    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
+    target = load_model(recipe.target.path, dtype=precision.dtype, device=device)
     weight = target.lm_head.weight.detach() if source == "target" else None
     with torch.inference_mode():
         counts = load_or_count(features_dir, source, target.config.vocab_size, weight)

@@ -209,7 +209,14 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     device = resolve_device(recipe.target.device)  # "cuda" without CUDA is an error, not a silent CPU run
     if device.type == "cuda":
         device = torch.device(f"cuda:{env.local_rank}")
-    model = load_model(recipe.target.path, dtype=recipe.target.dtype, device=device)
+    from mtp_train.recipe import with_precision
+    from mtp_train.runtime.precision import resolve_precision
+
+    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
+    recipe = with_precision(recipe, precision.dtype, precision.decode_dtype)
+    if env.rank == 0:
+        print(f"precompute: {precision.describe('prefill')}", flush=True)
+    model = load_model(recipe.target.path, dtype=precision.dtype, device=device)
     num_layers = model.config.num_hidden_layers
     bad_layers = [j for j in pre.aux_layers if j >= num_layers]
     if bad_layers:
@@ -251,10 +258,16 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
             else:
                 work.append((split, index, shard, lengths))
 
+    peak_gflops = None
+    if work and device.type == "cpu":  # this rank's matmul ceiling, measured while all ranks start (as they run)
+        from mtp_train.runtime.hardware import measure_matmul_gflops
+
+        peak_gflops = measure_matmul_gflops(model.dtype)
     progress = _GlobalProgress(root, env, total_tokens, done_tokens)
     aux_layers = tuple(pre.aux_layers)
     started = time.perf_counter()
     computed_tokens = 0
+    computed_flops = 0.0
     try:
         for split, index, shard, lengths in work:
             dataset = splits[split]
@@ -291,6 +304,7 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
                     )
                 progress.advance(sum(batch_lengths))
                 computed_tokens += sum(batch_lengths)
+                computed_flops += model.prefill_flops(batch_lengths, sum(batch_lengths) if pre.target_argmax else 0)
             name = shard_name(split, env.rank, index)
             record = write_shard(root / name, samples, pre.storage_dtype)
             done[name] = {"name": name, "split": split, "rank": env.rank, "index": index, **record}
@@ -301,15 +315,47 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     if computed_tokens:
         log.info("rank %d: %d tokens in %.1f s (%.0f tokens/s)", env.rank, computed_tokens, elapsed,
                  computed_tokens / max(elapsed, 1e-9))
+    own = {"tokens": computed_tokens, "seconds": elapsed, "flops": computed_flops, "peak_gflops": peak_gflops}
+    ranks = [own]
+    if dist is not None:
+        ranks = [None] * env.world_size
+        dist.all_gather_object(ranks, own)
     _barrier(dist)
     if env.rank == 0:
-        manifest = _merge_manifest(root, header, split_lengths)
+        throughput = _throughput(ranks, precision.dtype)
+        manifest = _merge_manifest(root, header, split_lengths, throughput)
         print(f"precompute: wrote {root} ({_summary(manifest)})")
+        if throughput:
+            print(f"precompute: {_describe_throughput(throughput)}")
     _barrier(dist)
     return root
 
 
-def _merge_manifest(root: Path, header: dict[str, Any], split_lengths: dict[str, list[int]]) -> dict[str, Any]:
+def _throughput(ranks: list[dict[str, Any]], dtype: str) -> dict[str, Any] | None:
+    """This run's speed over all ranks against the sum of the ranks' measured matmul peaks (None if nothing ran)."""
+    tokens = sum(r["tokens"] for r in ranks)
+    seconds = max(r["seconds"] for r in ranks)
+    if not tokens or seconds <= 0:
+        return None
+    gflops = sum(r["flops"] for r in ranks) / seconds / 1e9
+    peaks = [r["peak_gflops"] for r in ranks]
+    peak = sum(peaks) if all(p is not None for p in peaks) else None
+    return {"compute_dtype": dtype, "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1), "gflops": round(gflops, 2),
+            "peak_gflops": None if peak is None else round(peak, 2),
+            "fraction_of_peak": None if peak is None else round(gflops / peak, 4)}
+
+
+def _describe_throughput(t: dict[str, Any]) -> str:
+    line = f"{t['tokens']} tokens in {t['seconds']:.0f} s, {t['tokens_per_s']:.0f} tok/s, {t['gflops']:.1f} GFLOP/s"
+    if t.get("fraction_of_peak") is not None:
+        line += (f" = {t['fraction_of_peak']:.0%} of the ranks' measured {t['compute_dtype']} matmul peak "
+                 f"({t['peak_gflops']:.1f} GFLOP/s)")
+    return line
+
+
+def _merge_manifest(root: Path, header: dict[str, Any], split_lengths: dict[str, list[int]],
+                    throughput: dict[str, Any] | None = None) -> dict[str, Any]:
     import json
 
     records = []
@@ -336,6 +382,8 @@ def _merge_manifest(root: Path, header: dict[str, Any], split_lengths: dict[str,
     nbytes = sum(r["nbytes"] for info in manifest["splits"].values() for r in info["shards"])
     tokens = sum(info["num_tokens"] for info in manifest["splits"].values())
     manifest["bytes_per_token"] = round(nbytes / max(tokens, 1), 2)
+    if throughput:
+        manifest["throughput"] = throughput  # this run's (a resumed run: only the part it computed)
     write_json_atomic(root / MANIFEST_FILENAME, manifest)
     return manifest
 

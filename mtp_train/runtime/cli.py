@@ -25,7 +25,10 @@ def register(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (auto: the fastest this device has; `mtp-train env` shows the choice)")
+    p.add_argument("--decode-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights of the few-row decode/verify matmuls (auto: --dtype when set, else timed)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     draft = p.add_mutually_exclusive_group()
@@ -65,7 +68,14 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UserError(str(err)) from None
     target = args.target or _default_target()
-    model = load_model(target, dtype=args.dtype, device=args.device)
+    from mtp_train.runtime.loader import resolve_device
+    from mtp_train.runtime.precision import resolve_precision
+
+    device = resolve_device(args.device)
+    precision = resolve_precision(args.dtype, args.decode_dtype, device)
+    if not args.json:
+        print(f"[{precision.describe()}]", file=sys.stderr)
+    model = load_model(target, device=device, precision=precision)
     tokenizer = load_tokenizer(target)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
@@ -73,7 +83,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt_ids = encode_chat(tokenizer, messages, target)
     stops = stop_token_ids(tokenizer, model.config)
 
-    draft = _load_draft(args, model, tokenizer, target)
+    draft = _load_draft(args, model, tokenizer, target, precision)
 
     streamer = None if args.json else TextStreamer(tokenizer)
     on_tokens = (lambda _i, ids: streamer.push(ids)) if streamer else None
@@ -129,7 +139,7 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_draft(args: argparse.Namespace, model, tokenizer, target: str):
+def _load_draft(args: argparse.Namespace, model, tokenizer, target: str, precision):
     """The draft for `--head` / `--draft` (None without either). A draft model must use the target's tokenizer."""
     from mtp_train.errors import UserError
     from mtp_train.runtime.loader import load_model, load_tokenizer
@@ -140,8 +150,9 @@ def _load_draft(args: argparse.Namespace, model, tokenizer, target: str):
         raise UserError(f"--num-speculative-tokens must be in 1..8, got {args.num_speculative_tokens}")
     if args.head:
         from mtp_train.heads import load_head
+        from mtp_train.runtime.precision import apply_decode_weights
 
-        return load_head(args.head, model)
+        return apply_decode_weights(load_head(args.head, model), precision)
     draft_tokenizer = load_tokenizer(args.draft)
     target_vocab, draft_vocab = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if target_vocab != draft_vocab:
@@ -151,7 +162,7 @@ def _load_draft(args: argparse.Namespace, model, tokenizer, target: str):
             f"{len(target_vocab)} tokens, {differing} (token, id) pair(s) differ; a draft model must share the "
             "target's tokenizer"
         )
-    return load_model(args.draft, dtype=args.dtype, device=args.device)
+    return load_model(args.draft, device=model.device, precision=precision)
 
 
 class TextStreamer:

@@ -12,10 +12,11 @@ from mtp_train.errors import UserError
 from mtp_train.runtime.attention import get_backend
 from mtp_train.runtime.config import ModelConfig, load_config
 from mtp_train.runtime.model import CausalLM
+from mtp_train.runtime.precision import TORCH_DTYPES, Precision, apply_decode_weights, resolve_precision
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = TORCH_DTYPES
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -74,15 +75,20 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device = "auto",
     backend: str = "auto",
+    precision: Precision | None = None,
 ) -> CausalLM:
-    """Load a target model for inference. Errors (missing files, unsupported options, missing tensors) are
-    `UserError`s naming the file and key."""
+    """Load a target model for inference. `precision` (from `runtime.precision.resolve_precision`) overrides `dtype`:
+    the weights are held in its `dtype` and, when its decode dtype differs, few-row matmuls read a second copy
+    (`apply_decode_weights`). `dtype="auto"` resolves a precision for both phases here. Errors (missing files,
+    unsupported options, missing tensors) are `UserError`s naming the file and key."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise UserError(f"{model_dir}: model directory not found (run `mtp-train fetch-assets` for the default model)")
     config: ModelConfig = load_config(model_dir)
     device = resolve_device(device) if isinstance(device, str) else device
-    torch_dtype = resolve_dtype(dtype, device)
+    if precision is None and dtype == "auto":
+        precision = resolve_precision("auto", "auto", device)
+    torch_dtype = resolve_dtype(precision.dtype if precision is not None else dtype, device)
     state = load_state_dict(model_dir)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
@@ -114,6 +120,9 @@ def load_model(
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    if precision is not None:
+        resolve_dtype(precision.decode_dtype, device)
+        apply_decode_weights(model, precision)
     return model
 
 

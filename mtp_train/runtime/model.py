@@ -183,6 +183,17 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    def prefill_flops(self, lengths: list[int], logits_rows: int = 0) -> float:
+        """Multiply-add FLOPs (2 per MAC) of one prefill over sequences of `lengths` (causal attention over each
+        sequence), plus `logits_rows` rows of the lm_head: the figure a fraction of the matmul peak is computed from."""
+        c = self.config
+        layer_params = sum(p.numel() for p in self.model.layers[0].parameters() if p.dim() == 2)
+        tokens = sum(lengths)
+        attention_pairs = sum(n * (n + 1) // 2 for n in lengths)  # (query, key) pairs under the causal mask
+        attention = 4 * c.num_attention_heads * c.head_dim * attention_pairs  # QK^T and PV
+        return float(c.num_hidden_layers * (2 * layer_params * tokens + attention)
+                     + 2 * c.hidden_size * c.vocab_size * logits_rows)
+
     def new_kv_cache(self, allocator: PageAllocator) -> KVCache:
         c = self.config
         return KVCache(allocator, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype, self.device)

@@ -286,7 +286,8 @@ def unrolled_losses(
         raise ValueError(f"lengths {lengths} do not partition the {token_ids.shape[0]} packed tokens")
     device = token_ids.device
     total: torch.Tensor | None = None
-    metrics: dict[str, torch.Tensor | int] = {}
+    metrics: dict[str, torch.Tensor | int | float] = {}
+    flops = 0.0
     previous_out: torch.Tensor | None = None  # [R_{k-1}, d]
     previous_lengths: list[int] = []
     for k in range(1, unroll_steps + 1):
@@ -309,8 +310,30 @@ def unrolled_losses(
         for name in ("feature", "kl", "top1", "top3", "alpha", "coverage"):
             metrics[f"step{k}/{name}"] = getattr(losses, name).detach()
         metrics[f"step{k}/rows"] = losses.rows
+        flops += _step_flops(head, rows.lengths, losses.rows, target_argmax is not None)
         previous_out, previous_lengths = out, rows.lengths
     if total is None:  # every sequence shorter than 2 tokens: nothing to learn
         total = torch.zeros((), device=device, requires_grad=True)
     metrics["loss"] = total.detach()
+    metrics["flops"] = flops
     return total, metrics
+
+
+def _step_flops(head, step_lengths: list[int], counted_rows: int, argmax_known: bool) -> float:
+    """Matmul FLOPs (2 per multiply-add) of one unroll step, forward and backward: the head's linear layers over every
+    row (×3: forward, input and weight gradients), causal attention over each sequence (×3), and over the counted rows
+    the draft logits, the target logits (draft rows only when the argmax is stored) and the logit gradient (q − p) @ W;
+    what a fraction of the matmul peak is computed from."""
+    module = getattr(head, "module", head)  # a DeepSpeed engine wraps the head
+    if not hasattr(module, "config") or not hasattr(module, "layers"):
+        return 0.0  # not a DraftHead (a test double): no FLOP count
+    linear_params = sum(p.numel() for p in module.parameters() if p.dim() == 2)
+    rows = sum(step_lengths)
+    pairs = sum(n * (n + 1) // 2 for n in step_lengths)
+    config = module.config
+    attention = 4 * config.num_attention_heads * config.head_dim * pairs * len(module.layers)
+    d = config.hidden_size
+    draft_rows = module.draft_vocab_size
+    target_rows = draft_rows if argmax_known else config.vocab_size
+    logits = 2 * counted_rows * d * (2 * draft_rows + target_rows)
+    return float(3 * (2 * linear_params * rows + attention) + logits)

@@ -165,8 +165,9 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
     from mtp_train.features.reader import FeatureReader
     from mtp_train.fingerprint import target_fingerprint
     from mtp_train.heads import DraftHead, HeadConfig, save_head
-    from mtp_train.recipe import recipe_to_dict, save_resolved
+    from mtp_train.recipe import recipe_to_dict, save_resolved, with_precision
     from mtp_train.runtime.loader import load_model
+    from mtp_train.runtime.precision import resolve_precision
     from mtp_train.train.losses import unrolled_losses
     from mtp_train.train.tracking import Tracker, truncate_metrics
     from mtp_train.train.validation import validate
@@ -192,8 +193,14 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
         torch.cuda.set_device(device)
     is_main = rank == 0
 
+    # Compute dtype: `auto` resolves to the fastest many-row dtype this device has (runtime/precision.py).
+    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
+    recipe = with_precision(recipe, precision.dtype, precision.decode_dtype)
+    if is_main:
+        print(f"train: {precision.describe('prefill')}", flush=True)
+
     # Target (frozen: only embed_tokens and lm_head are used, by reference) and the head.
-    target = load_model(recipe.target.path, dtype=recipe.target.dtype, device=device)
+    target = load_model(recipe.target.path, dtype=precision.dtype, device=device)
     fingerprint = target_fingerprint(recipe.target.path)
     readers_kwargs = dict(micro_batch_tokens=train.micro_batch_tokens, rank=rank, world_size=world_size,
                           seed=train.seed, expected_fingerprints={"target": fingerprint})
@@ -221,7 +228,7 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, train.warmup_steps, total_steps, train.schedule, train.min_lr_ratio)
     )
-    use_bf16 = recipe.target.dtype == "bfloat16"
+    use_bf16 = precision.dtype == "bfloat16"  # DeepSpeed's bf16 section only when training computes in bf16
     engine, _, _, _ = deepspeed.initialize(
         model=head, optimizer=optimizer, lr_scheduler=scheduler,
         config=deepspeed_config(recipe, world_size, use_bf16),
@@ -295,8 +302,16 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
     data = iter(train_reader)
     progress = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                     disable=not (is_main and show_progress), dynamic_ncols=True)
+    peak_gflops = None
+    if device.type == "cpu":  # the ranks' matmul ceiling, measured together (as they train), summed over ranks
+        from mtp_train.runtime.hardware import measure_matmul_gflops
+
+        peak = torch.tensor([measure_matmul_gflops(precision.torch_dtype)], dtype=torch.float64)
+        dist.all_reduce(peak)
+        peak_gflops = float(peak.item())
     started = time.perf_counter()
     tokens_seen = 0
+    flops_seen = 0.0
     last_validation: dict[str, float] = {}
     step = start_step
     engine.train()
@@ -312,6 +327,7 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
             engine.backward(loss)
             engine.step()
             tokens_seen += batch.num_tokens
+            flops_seen += metrics["flops"]
             for k in range(1, train.unroll_steps + 1):
                 rows = metrics.get(f"step{k}/rows", 0)
                 sums[f"step{k}/rows"] = sums.get(f"step{k}/rows", 0) + rows
@@ -358,14 +374,26 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
                 save_head(engine.module, head_dir)
     elif is_main:
         save_head(engine.module, head_dir)
+    train_seconds = time.perf_counter() - started
+    total_flops = torch.tensor([flops_seen], dtype=torch.float64)
+    dist.all_reduce(total_flops)
+    gflops = float(total_flops.item()) / max(train_seconds, 1e-9) / 1e9
     if is_main:
-        summary = {"steps": step, "tokens": tokens_seen * world_size, "train_seconds": time.perf_counter() - started,
+        speed = {"gflops": round(gflops, 2), "peak_gflops": None if peak_gflops is None else round(peak_gflops, 2),
+                 "fraction_of_peak": None if peak_gflops is None else round(gflops / peak_gflops, 4)}
+        summary = {"steps": step, "tokens": tokens_seen * world_size, "train_seconds": train_seconds, **speed,
                    "world_size": world_size, "head_dir": str(head_dir), "target_fingerprint": fingerprint,
+                   "compute_dtype": precision.dtype, "precision_reason": precision.reason,
                    "draft_vocab_size": head_config.draft_vocab_size or target.config.vocab_size,
                    "draft_vocab_coverage": draft_vocab_coverage if draft_vocab_coverage is not None else 1.0,
                    **{f"val/{k}": v for k, v in last_validation.items()}}
         tracker.finish(summary)
         print(f"train: {step} steps; head saved to {head_dir}; held-out step-1 top-1 "
               f"{last_validation.get('step1/top1', float('nan')):.4f}")
+        if step > start_step:
+            fraction = (f" = {speed['fraction_of_peak']:.0%} of the ranks' measured {precision.dtype} matmul peak "
+                        f"({peak_gflops:.1f} GFLOP/s)" if peak_gflops else "")
+            print(f"train: {(step - start_step)} steps in {train_seconds:.0f} s, {gflops:.1f} GFLOP/s in the head's "
+                  f"matmuls{fraction}")
     dist.barrier()
     return run_dir

@@ -1,0 +1,108 @@
+"""`mtp-train env`: the facts a bug report or a speed figure needs (as `accelerate env`, `ds_report` and
+`vllm collect-env` give them): package versions, CPU model and the flags that decide matmul speed, torch's CPU
+capability and BLAS/oneDNN build, threads, CUDA devices, what `target.dtype: auto` resolves to and why, and two ceilings
+measured in about two seconds: matmul GFLOP/s in fp32 and bf16, and memory read bandwidth."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+
+PACKAGES = ("mtp_train", "torch", "transformers", "deepspeed", "datasets", "safetensors", "accelerate",
+            "flashinfer-python", "wandb")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "env",
+        help="versions, CPU/GPU facts, what dtype `auto` picks and why, measured matmul and memory ceilings",
+        description="Print the machine and software facts that decide this project's speed (paste it into bug "
+        "reports). Measures fp32/bf16 matmul GFLOP/s and memory read bandwidth in about two seconds.",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--no-measure", action="store_true", help="skip the timed matmul and bandwidth measurements")
+    p.add_argument("--reprobe", action="store_true",
+                   help="time the decode matmuls again instead of reading the cached choice of `auto`")
+    p.set_defaults(func=run_env)
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def collect_env(measure: bool = True, reprobe: bool = False) -> dict:
+    import torch
+
+    from mtp_train.runtime.hardware import (
+        blas_summary,
+        cpu_facts,
+        cuda_devices,
+        measure_matmul_gflops,
+        measure_read_bandwidth_gbs,
+    )
+    from mtp_train.runtime.precision import resolve_precision
+
+    facts = cpu_facts()
+    devices = cuda_devices()
+    device = torch.device("cuda" if devices else "cpu")
+    precision = resolve_precision("auto", "auto", device, reprobe=reprobe)
+    env = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "packages": {name: _version(name) for name in PACKAGES},
+        "cpu": {
+            "model": facts.model, "arch": facts.arch, "cores": facts.cores, "flags": facts.reported_flags(),
+            "native_bf16": facts.native_bf16, "torch_capability": facts.capability, "blas": blas_summary(),
+        },
+        "threads": {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+        "cuda": [{"index": d.index, "name": d.name, "memory_gib": round(d.memory_gib, 1),
+                  "capability": ".".join(map(str, d.capability)), "bf16": d.bf16} for d in devices],
+        "auto": {"device": device.type, **precision.as_dict()},
+    }
+    if measure:
+        env["measured"] = {
+            "matmul_gflops": {name: round(measure_matmul_gflops(dtype, device=device), 1)
+                              for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))},
+            "matmul_shape": "[256, 1024] @ [1024, 2048]",
+            "read_bandwidth_gbs": round(measure_read_bandwidth_gbs(), 1) if device.type == "cpu" else None,
+        }
+    return env
+
+
+def format_env(env: dict) -> str:
+    cpu, auto = env["cpu"], env["auto"]
+    lines = [
+        f"mtp_train {env['packages']['mtp_train']}   python {env['python']}   {env['platform']}",
+        "packages:   " + ", ".join(f"{k} {v}" for k, v in env["packages"].items() if k != "mtp_train"),
+        f"cpu:        {cpu['model']} ({cpu['arch']}, {cpu['cores']} cores)",
+        f"cpu flags:  {' '.join(cpu['flags']) or '-'}; native bf16 matmul: {'yes' if cpu['native_bf16'] else 'no'}",
+        f"torch cpu:  capability {cpu['torch_capability']}; {cpu['blas']}",
+        f"threads:    torch {env['threads']['torch']} (OMP_NUM_THREADS={env['threads']['OMP_NUM_THREADS'] or 'unset'})",
+        "cuda:       " + ("; ".join(f"{d['index']}: {d['name']}, {d['memory_gib']} GiB, sm {d['capability']}, "
+                                    f"bf16 {'yes' if d['bf16'] else 'no'}" for d in env["cuda"]) or "none"),
+        f"auto dtype: compute {auto['dtype']}, decode weights {auto['decode_dtype']}"
+        + (f" (≤ {auto['decode_max_rows']} rows)" if auto["decode_dtype"] != auto["dtype"] else "")
+        + f" on {auto['device']}",
+        f"  because:  {auto['reason']}",
+    ]
+    measured = env.get("measured")
+    if measured:
+        mm = measured["matmul_gflops"]
+        lines.append(f"measured:   matmul {measured['matmul_shape']}: fp32 {mm['float32']} GFLOP/s, bf16 "
+                     f"{mm['bfloat16']} GFLOP/s (fp32/bf16 {mm['float32'] / max(mm['bfloat16'], 1e-9):.1f}×)")
+        if measured["read_bandwidth_gbs"] is not None:
+            lines.append(f"            memory read bandwidth {measured['read_bandwidth_gbs']} GB/s")
+    return "\n".join(lines)
+
+
+def run_env(args: argparse.Namespace) -> int:
+    env = collect_env(measure=not args.no_measure, reprobe=args.reprobe)
+    print(json.dumps(env, indent=2) if args.json else format_env(env))
+    return 0

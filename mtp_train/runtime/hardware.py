@@ -1,0 +1,155 @@
+"""What the machine really has: CPU model and the flags that decide matmul speed, CUDA devices, and two measured
+ceilings (matmul GFLOP/s per dtype, memory read bandwidth) that every stage's speed is judged by.
+
+`CpuFacts` is read once per process from /proc/cpuinfo and torch; `measure_*` time small kernels for a fraction of a
+second (`mtp-train env`, the dtype probe of `precision.py`, the fraction-of-peak figures of precompute and training).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+# Flags that give a CPU native bf16 matmul (oneDNN then runs bf16 GEMMs at or above fp32 speed).
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# Flags worth printing in `mtp-train env` (the ones that change which kernels run).
+REPORTED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16",
+                  "amx_tile", "avx_vnni", "asimd", "sve", "bf16")
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    model: str
+    arch: str
+    flags: frozenset[str] = field(default_factory=frozenset)
+    capability: str = "unknown"  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
+    cores: int = 1
+
+    @property
+    def native_bf16(self) -> bool:
+        """True when the CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX on x86)."""
+        return any(flag in self.flags for flag in NATIVE_BF16_FLAGS)
+
+    @property
+    def is_x86(self) -> bool:
+        return self.arch in ("x86_64", "amd64", "i686")
+
+    def reported_flags(self) -> list[str]:
+        return [flag for flag in REPORTED_FLAGS if flag in self.flags]
+
+
+def _read_cpuinfo() -> tuple[str, frozenset[str]]:
+    model, flags = "", frozenset()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as stream:
+            for line in stream:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "hardware", "cpu model") and not model:
+                    model = value.strip()
+                elif key in ("flags", "features") and not flags:
+                    flags = frozenset(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+@lru_cache(maxsize=1)
+def cpu_facts() -> CpuFacts:
+    model, flags = _read_cpuinfo()
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # older torch
+        capability = "unknown"
+    return CpuFacts(model=model or platform.processor() or "unknown", arch=platform.machine().lower(),
+                    flags=flags, capability=capability, cores=os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    index: int
+    name: str
+    memory_gib: float
+    capability: tuple[int, int]
+    bf16: bool
+
+
+def cuda_devices() -> list[CudaDevice]:
+    if not torch.cuda.is_available():
+        return []
+    devices = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        devices.append(CudaDevice(index, props.name, props.total_memory / 2**30, (props.major, props.minor),
+                                  bool(torch.cuda.is_bf16_supported())))
+    return devices
+
+
+def _seconds_per_call(fn, budget_s: float) -> float:
+    """Best-of seconds per call of `fn` within about `budget_s` (two warm-up calls first)."""
+    fn()
+    fn()
+    best = float("inf")
+    deadline = time.perf_counter() + budget_s
+    while True:
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+        if time.perf_counter() >= deadline:
+            return best
+
+
+def measure_matmul_gflops(dtype: torch.dtype, rows: int = 256, inner: int = 1024, cols: int = 2048,
+                          budget_s: float = 0.3, device: str | torch.device = "cpu") -> float:
+    """GFLOP/s of `[rows, inner] @ [inner, cols]` in `dtype` (the many-row matmul of prefill and training)."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(rows, inner, generator=generator).to(device=device, dtype=dtype)
+    b = torch.randn(cols, inner, generator=generator).to(device=device, dtype=dtype)
+
+    def call() -> None:
+        torch.nn.functional.linear(a, b)
+        if a.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return 2 * rows * inner * cols / _seconds_per_call(call, budget_s) / 1e9
+
+
+def measure_read_bandwidth_gbs(megabytes: int = 256, budget_s: float = 0.3) -> float:
+    """GB/s of reading a buffer much larger than the caches (a sum over it), with the current threads."""
+    buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    return buffer.numel() * 4 / _seconds_per_call(buffer.sum, budget_s) / 1e9
+
+
+def blas_summary() -> str:
+    """torch's BLAS and oneDNN builds in a few words (from `torch.__config__.show()`), e.g. `MKL 2024.2; oneDNN 3.12.0`."""
+    import re
+
+    config = torch.__config__.show()
+    parts = []
+    mkl = re.search(r"Math Kernel Library Version ([0-9.]+)", config)
+    if mkl:
+        parts.append(f"MKL {mkl.group(1)}")
+    onednn = re.search(r"(?:MKL-DNN|oneDNN) v?([0-9][0-9.]*)", config)
+    if onednn:
+        parts.append(f"oneDNN {onednn.group(1)}")
+    blas = re.search(r"BLAS_INFO=([A-Za-z0-9_]+)", config)
+    if blas and not mkl:
+        parts.append(f"BLAS {blas.group(1)}")
+    return "; ".join(parts) or "unknown"
+
+
+def machine_fields(compute_dtype: str) -> str:
+    """`key=value` fields naming the machine for a benchmark's `RESULT` line: torch's CPU capability (or the CUDA
+    device), the CPU model and the compute dtype the figures were measured in."""
+    facts = cpu_facts()
+    fields = [f"cpu_capability={facts.capability}", f"cpu={facts.model.replace(' ', '_') or 'unknown'}",
+              f"native_bf16={int(facts.native_bf16)}"]
+    if torch.cuda.is_available():
+        fields.append(f"cuda={torch.cuda.get_device_name(0).replace(' ', '_')}")
+    fields.append(f"compute_dtype={compute_dtype}")
+    return " ".join(fields)

@@ -1,0 +1,283 @@
+"""Which dtype each phase computes in: `target.dtype: auto` resolved by the hardware.
+
+Two phases meet the weights differently:
+- **prefill** (precompute, training, prompt prefill): many rows per weight, compute-bound. It runs in `dtype`, which is
+  also the dtype the weights are held in.
+- **decode** (decode steps, verify of k + 1 tokens, head draft steps): a few rows per weight, memory-bound. Matmuls with
+  at most `decode_max_rows` rows read a second copy of the weights in `decode_dtype` (half the bytes in bf16), when
+  that differs from `dtype` (`apply_decode_weights`).
+
+`auto` resolves as follows (the reason is kept in `Precision.reason` and printed by every stage):
+- CUDA: bf16 where the GPU supports it, else fp32.
+- CPU with native bf16 matmul (AVX512-BF16 or AMX): bf16 for both phases.
+- Other CPUs (AVX2-only x86 and most laptops): the flags are conclusive for prefill when they are x86 without those
+  instructions: bf16 GEMMs fall back to slow kernels there (~6× slower than fp32 on a Zen 3), so fp32. Elsewhere (other
+  architectures) a many-row matmul is timed in both dtypes. Decode is always timed: one weight set larger than the
+  last-level cache is multiplied by 1..16 rows in fp32 and with bf16 weights; bf16 weights are used up to the largest
+  row count where they stay faster. The timing is cached per machine, torch version and thread count
+  (`~/.cache/mtp_train/precision-probe.json`), so repeated runs make the same choice (`mtp-train env --reprobe`
+  measures again).
+
+An explicit `dtype` is honoured for both phases unless `decode_dtype` is set explicitly too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_train.errors import UserError
+from mtp_train.runtime.hardware import CpuFacts, cpu_facts
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+PROBE_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The resolved dtypes of one stage (names, as in recipes)."""
+
+    dtype: str  # weights and every many-row matmul (prefill, precompute, training)
+    decode_dtype: str  # weights of matmuls with ≤ decode_max_rows rows (decode, verify, draft steps)
+    decode_max_rows: int
+    reason: str
+    requested: str = "auto"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+    @property
+    def decode_torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.decode_dtype]
+
+    @property
+    def split(self) -> bool:
+        """True when decode reads its own weight copy."""
+        return self.decode_dtype != self.dtype and self.decode_max_rows > 0
+
+    def describe(self, phase: str | None = None) -> str:
+        """One line for a stage's first output, e.g. `compute dtype float32 (auto: ...)`."""
+        if phase == "prefill" or not self.split:
+            what = f"compute dtype {self.dtype}"
+        else:
+            what = f"compute dtype {self.dtype}, decode weights {self.decode_dtype} (≤ {self.decode_max_rows} rows)"
+        return f"{what} ({self.requested}: {self.reason})" if self.requested == "auto" else f"{what} (as set)"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# timing probes (separate functions so tests can replace them)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _best_seconds(fn: Callable[[], object], budget_s: float) -> float:
+    fn()
+    best = float("inf")
+    deadline = time.perf_counter() + budget_s
+    while True:
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+        if time.perf_counter() >= deadline:
+            return best
+
+
+def time_decode_matmuls(rows_list=PROBE_ROWS, budget_s: float = 0.08) -> dict[int, dict[str, float]]:
+    """{rows: {"float32": s, "bfloat16": s}}: one pass of `rows` fp32 activations through a set of 576×1536 weights
+    totalling 160 MB in fp32 (larger than any last-level cache, so the weights stream from memory as in a decode step),
+    with fp32 weights, and with bf16 weights (activations cast to bf16 and the result back, as the runtime does)."""
+    generator = torch.Generator().manual_seed(0)
+    weights32 = [torch.randn(1536, 576, generator=generator) for _ in range(48)]
+    weights16 = [w.to(torch.bfloat16) for w in weights32]
+    result: dict[int, dict[str, float]] = {}
+    for rows in rows_list:
+        x = torch.randn(rows, 576, generator=generator)
+        fp32 = _best_seconds(lambda: [F.linear(x, w) for w in weights32], budget_s)
+        bf16 = _best_seconds(lambda: [F.linear(x.to(torch.bfloat16), w).float() for w in weights16], budget_s)
+        result[rows] = {"float32": fp32, "bfloat16": bf16}
+    return result
+
+
+def time_prefill_matmul(budget_s: float = 0.2) -> dict[str, float]:
+    """{"float32": GFLOP/s, "bfloat16": GFLOP/s} of a 256-row matmul (the shape of prefill and training)."""
+    from mtp_train.runtime.hardware import measure_matmul_gflops
+
+    return {name: measure_matmul_gflops(TORCH_DTYPES[name], budget_s=budget_s) for name in ("float32", "bfloat16")}
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "mtp_train" / "precision-probe.json"
+
+
+def _probe_key(facts: CpuFacts) -> str:
+    text = json.dumps([PROBE_FORMAT_VERSION, facts.model, sorted(facts.flags), facts.capability, torch.__version__,
+                       torch.get_num_threads()])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def decode_probe(facts: CpuFacts, reprobe: bool = False, timer=None) -> dict[int, dict[str, float]]:
+    """The decode timing for this machine and thread count: from the cache file, or measured (and cached)."""
+    timer = timer or time_decode_matmuls
+    path, key = _cache_path(), _probe_key(facts)
+    cached: dict = {}
+    if path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            cached = {}
+    if not reprobe and key in cached:
+        return {int(rows): times for rows, times in cached[key]["decode"].items()}
+    measured = timer()
+    cached[key] = {"cpu": facts.model, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                   "decode": {str(rows): times for rows, times in measured.items()}}
+    try:
+        from mtp_train.fileio import write_json_atomic
+
+        write_json_atomic(path, cached)
+    except OSError as err:  # a read-only home: the choice is still made, only not remembered
+        log.debug("could not cache the precision probe in %s: %s", path, err)
+    return measured
+
+
+def decode_rows_for_bf16(timing: dict[int, dict[str, float]], margin: float = 1.05) -> int:
+    """The largest row count up to which bf16 weights beat fp32 by `margin` at every measured count (0: never)."""
+    best = 0
+    for rows in sorted(timing):
+        if timing[rows]["float32"] >= margin * timing[rows]["bfloat16"]:
+            best = rows
+        else:
+            break
+    return best
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# resolution
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def resolve_precision(
+    dtype: str = "auto",
+    decode_dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    facts: CpuFacts | None = None,
+    cuda_bf16: bool | None = None,
+    phases: tuple[str, ...] = ("prefill", "decode"),
+    reprobe: bool = False,
+    decode_timer=None,
+    prefill_timer=None,
+) -> Precision:
+    """Resolve the recipe's `target.dtype` / `target.decode_dtype` for `device`. `phases` names what the stage runs:
+    a stage that never decodes (precompute, training) skips the decode timing."""
+    for name, value in (("target.dtype", dtype), ("target.decode_dtype", decode_dtype)):
+        if value != "auto" and value not in TORCH_DTYPES:
+            raise UserError(f"{name}: {value!r} is not a dtype; expected auto, {', '.join(DTYPE_NAMES)}")
+    device = torch.device(device) if isinstance(device, str) else device
+    if dtype != "auto":
+        chosen = decode_dtype if decode_dtype != "auto" else dtype
+        rows = _explicit_rows(dtype, chosen)
+        return Precision(dtype, chosen, rows, "set in the recipe", requested=dtype)
+
+    if device.type == "cuda":
+        bf16 = torch.cuda.is_bf16_supported() if cuda_bf16 is None else cuda_bf16
+        name = "bfloat16" if bf16 else "float32"
+        reason = "CUDA device with bf16 support" if bf16 else "CUDA device without bf16 support"
+        return _with_decode(name, decode_dtype, reason, 0)
+
+    facts = facts or cpu_facts()
+    if facts.native_bf16:
+        native = ", ".join(flag for flag in ("avx512_bf16", "amx_bf16") if flag in facts.flags)
+        return _with_decode("bfloat16", decode_dtype, f"CPU has native bf16 matmul ({native})", 0)
+    if facts.is_x86:
+        prefill, reason = "float32", (f"{facts.capability} CPU without avx512_bf16/amx_bf16: bf16 GEMMs fall back to "
+                                      "slow kernels, fp32 for many rows")
+    else:
+        gflops = (prefill_timer or time_prefill_matmul)()
+        prefill = "bfloat16" if gflops["bfloat16"] > 1.05 * gflops["float32"] else "float32"
+        reason = (f"{facts.arch} CPU, 256-row matmul timed: fp32 {gflops['float32']:.1f} GFLOP/s, bf16 "
+                  f"{gflops['bfloat16']:.1f} GFLOP/s")
+    if prefill == "bfloat16" or decode_dtype != "auto" or "decode" not in phases:
+        return _with_decode(prefill, decode_dtype, reason, 0)
+    timing = decode_probe(facts, reprobe=reprobe, timer=decode_timer)
+    rows = decode_rows_for_bf16(timing)
+    if rows == 0:
+        return Precision(prefill, prefill, 0, reason + "; decode timed: fp32 weights as fast as bf16")
+    one = timing[min(timing)]
+    return Precision(prefill, "bfloat16", rows,
+                     reason + f"; decode timed: bf16 weights {one['float32'] / one['bfloat16']:.1f}× faster at 1 row, "
+                     f"faster up to {rows} rows")
+
+
+def _explicit_rows(dtype: str, decode_dtype: str) -> int:
+    return 0 if decode_dtype == dtype else max(PROBE_ROWS)
+
+
+def _with_decode(dtype: str, decode_dtype: str, reason: str, rows: int) -> Precision:
+    if decode_dtype == "auto" or decode_dtype == dtype:
+        return Precision(dtype, dtype, 0, reason)
+    return Precision(dtype, decode_dtype, _explicit_rows(dtype, decode_dtype), reason + "; decode dtype as set")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# applying the decode weights (from outside the model definition)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _DecodeWeights:
+    """A forward pre-hook and hook pair for one `nn.Linear`: inputs with ≤ max_rows rows are multiplied by a copy of the
+    weight in `dtype` (activations cast in, the result cast back); bigger inputs use the module's own weight."""
+
+    def __init__(self, module: nn.Linear, dtype: torch.dtype, max_rows: int):
+        self.weight = module.weight.detach().to(dtype)
+        self.bias = None if module.bias is None else module.bias.detach().to(dtype)
+        self.max_rows = max_rows
+
+    def forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > self.max_rows or torch.is_grad_enabled() and x.requires_grad:
+            return F.linear(x, module.weight, module.bias)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
+class DecodeLinear(nn.Linear):
+    """`nn.Linear` whose small-row calls read `decode_weights` (set by `apply_decode_weights`)."""
+
+    decode_weights: _DecodeWeights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode_weights.forward(self, x)
+
+
+def apply_decode_weights(model: nn.Module, precision: Precision) -> nn.Module:
+    """Give every `nn.Linear` of `model` (a frozen target or head) a copy of its weight in `precision.decode_dtype`,
+    used for inputs of at most `precision.decode_max_rows` rows. Parameter names and the state dict are unchanged.
+    The tied lm_head shares its copy with nothing (the embedding lookup keeps the full-precision table)."""
+    if not precision.split:
+        return model
+    copies: dict[int, _DecodeWeights] = {}
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            key = id(module.weight)
+            if key not in copies:
+                copies[key] = _DecodeWeights(module, precision.decode_torch_dtype, precision.decode_max_rows)
+            module.decode_weights = copies[key]
+            module.__class__ = DecodeLinear
+    model.precision = precision
+    return model

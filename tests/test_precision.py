@@ -1,0 +1,140 @@
+"""`target.dtype: auto`: what it resolves to on mocked machines, the decode-weight copies, and what stages record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from mtp_train.errors import UserError
+from mtp_train.runtime.hardware import CpuFacts
+from mtp_train.runtime.precision import (
+    DecodeLinear,
+    apply_decode_weights,
+    decode_probe,
+    decode_rows_for_bf16,
+    resolve_precision,
+)
+
+AVX2 = CpuFacts("AMD EPYC (Zen 3)", "x86_64", frozenset({"avx", "avx2", "fma", "f16c"}), "AVX2", 2)
+AVX512_BF16 = CpuFacts("Intel Xeon (Cooper Lake)", "x86_64", frozenset({"avx2", "avx512f", "avx512_bf16"}), "AVX512", 2)
+AMX = CpuFacts("Intel Xeon (Sapphire Rapids)", "x86_64", frozenset({"avx2", "avx512f", "amx_tile", "amx_bf16"}),
+               "AVX512", 2)
+ARM = CpuFacts("Neoverse", "aarch64", frozenset({"asimd"}), "DEFAULT", 2)
+
+
+def _timing(bf16_faster_up_to: int) -> dict[int, dict[str, float]]:
+    """A decode probe where bf16 weights cost 1 ms per row and fp32 a flat `bf16_faster_up_to` + 0.5 ms."""
+    return {rows: {"float32": (bf16_faster_up_to + 0.5) * 1e-3, "bfloat16": rows * 1e-3}
+            for rows in (1, 2, 3, 4, 6, 8, 12, 16)}
+
+
+def _never_called(*_args, **_kwargs):
+    raise AssertionError("no timing expected here")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def test_avx2_cpu_trains_in_fp32_and_decodes_on_timed_bf16_weights():
+    precision = resolve_precision("auto", "auto", "cpu", facts=AVX2, decode_timer=lambda: _timing(4),
+                                  prefill_timer=_never_called)
+    assert (precision.dtype, precision.decode_dtype, precision.decode_max_rows) == ("float32", "bfloat16", 4)
+    assert precision.split and "AVX2" in precision.reason and "decode timed" in precision.reason
+    assert "float32" in precision.describe("prefill") and "bfloat16" not in precision.describe("prefill")
+    assert "decode weights bfloat16 (≤ 4 rows)" in precision.describe()
+
+
+def test_avx2_stage_without_decode_does_not_time():
+    precision = resolve_precision("auto", "auto", "cpu", facts=AVX2, phases=("prefill",), decode_timer=_never_called)
+    assert (precision.dtype, precision.decode_dtype, precision.split) == ("float32", "float32", False)
+
+
+def test_avx2_keeps_fp32_decode_when_bf16_weights_are_not_faster():
+    slower = {rows: {"float32": 1e-3, "bfloat16": 2e-3} for rows in (1, 2, 4)}
+    precision = resolve_precision("auto", "auto", "cpu", facts=AVX2, decode_timer=lambda: slower)
+    assert (precision.dtype, precision.decode_dtype, precision.split) == ("float32", "float32", False)
+
+
+@pytest.mark.parametrize("facts", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx"])
+def test_native_bf16_cpu_uses_bf16_everywhere(facts):
+    precision = resolve_precision("auto", "auto", "cpu", facts=facts, decode_timer=_never_called,
+                                  prefill_timer=_never_called)
+    assert (precision.dtype, precision.decode_dtype, precision.split) == ("bfloat16", "bfloat16", False)
+    assert "native bf16" in precision.reason
+
+
+def test_cuda_uses_bf16_where_supported_else_fp32():
+    on = resolve_precision("auto", "auto", torch.device("cuda"), cuda_bf16=True, decode_timer=_never_called)
+    off = resolve_precision("auto", "auto", torch.device("cuda"), cuda_bf16=False, decode_timer=_never_called)
+    assert (on.dtype, on.decode_dtype) == ("bfloat16", "bfloat16") and "CUDA" in on.reason
+    assert (off.dtype, off.decode_dtype) == ("float32", "float32")
+
+
+def test_other_architectures_time_the_prefill_matmul():
+    fast_bf16 = resolve_precision("auto", "auto", "cpu", facts=ARM, decode_timer=_never_called,
+                                  prefill_timer=lambda: {"float32": 20.0, "bfloat16": 60.0})
+    assert fast_bf16.dtype == "bfloat16" and "timed" in fast_bf16.reason
+    slow_bf16 = resolve_precision("auto", "auto", "cpu", facts=ARM, decode_timer=lambda: _timing(2),
+                                  prefill_timer=lambda: {"float32": 20.0, "bfloat16": 5.0})
+    assert (slow_bf16.dtype, slow_bf16.decode_dtype, slow_bf16.decode_max_rows) == ("float32", "bfloat16", 2)
+
+
+def test_explicit_dtypes_are_honoured():
+    plain = resolve_precision("bfloat16", "auto", "cpu", facts=AVX2, decode_timer=_never_called)
+    assert (plain.dtype, plain.decode_dtype, plain.split, plain.requested) == ("bfloat16", "bfloat16", False, "bfloat16")
+    assert plain.describe().endswith("(as set)")
+    mixed = resolve_precision("float32", "bfloat16", "cpu", facts=AVX2, decode_timer=_never_called)
+    assert (mixed.dtype, mixed.decode_dtype, mixed.split) == ("float32", "bfloat16", True)
+    pinned = resolve_precision("auto", "float32", "cpu", facts=AVX2, decode_timer=_never_called)
+    assert (pinned.dtype, pinned.decode_dtype, pinned.split) == ("float32", "float32", False)
+    with pytest.raises(UserError, match="target.dtype: 'fp8'"):
+        resolve_precision("fp8", "auto", "cpu", facts=AVX2)
+
+
+def test_decode_rows_stop_at_the_first_row_count_where_bf16_loses():
+    timing = _timing(4)
+    timing[2]["bfloat16"] = 1.0  # a noisy loss at 2 rows ends the range there
+    assert decode_rows_for_bf16(timing) == 1
+    assert decode_rows_for_bf16(_timing(6)) == 6
+
+
+def test_decode_probe_is_cached_per_machine(tmp_path):
+    calls = []
+
+    def timer():
+        calls.append(1)
+        return _timing(3)
+
+    first = decode_probe(AVX2, timer=timer)
+    again = decode_probe(AVX2, timer=timer)
+    assert first == again and len(calls) == 1
+    cache = json.loads((tmp_path / "cache" / "mtp_train" / "precision-probe.json").read_text())
+    assert len(cache) == 1 and next(iter(cache.values()))["cpu"] == AVX2.model
+    decode_probe(AVX2, timer=timer, reprobe=True)
+    decode_probe(AMX, timer=timer)  # another machine: its own entry
+    assert len(calls) == 3
+
+
+def test_decode_weights_serve_small_row_calls_only():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8, bias=False))
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    precision = resolve_precision("float32", "bfloat16", "cpu", facts=AVX2)
+    apply_decode_weights(model, precision)
+    assert all(isinstance(m, DecodeLinear) for m in model)
+    assert model.state_dict().keys() == reference.keys()  # names unchanged, no extra tensors
+    x_small, x_big = torch.randn(2, 16), torch.randn(64, 16)
+    with torch.inference_mode():
+        small, big = model(x_small), model(x_big)
+    expected_big = nn.functional.linear(nn.functional.linear(x_big, reference["0.weight"], reference["0.bias"]),
+                                        reference["1.weight"])
+    torch.testing.assert_close(big, expected_big)  # many rows: the fp32 weights, exactly
+    w0, b0, w1 = (reference[k].bfloat16() for k in ("0.weight", "0.bias", "1.weight"))
+    expected_small = nn.functional.linear(nn.functional.linear(x_small.bfloat16(), w0, b0).float().bfloat16(), w1)
+    assert small.dtype == torch.float32
+    torch.testing.assert_close(small, expected_small.float())  # few rows: the bf16 copies
