@@ -66,6 +66,9 @@ def test_eval_on_heldout_split_and_errors(setup):
                       prompt_lookup=False)
     assert report["num_prompts"] == 3 and report["overall"]["mtp@k=2"]["greedy_match"]
     assert set(report["overall"]) == {"plain", "mtp@k=2"}
+    settings = report["settings"]  # the dtypes that ran and the machine they ran on
+    assert (settings["dtype"], settings["decode_dtype"]) == ("float32", "float32")
+    assert settings["precision_reason"] == "set in the recipe" and settings["cpu_capability"]
     with pytest.raises(UserError, match="prompts file not found"):
         load_mt_bench(root / "missing.jsonl")
 

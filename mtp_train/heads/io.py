@@ -42,12 +42,15 @@ def check_state_shapes(
             raise UserError(f"{source}: tensor {key} has shape {tuple(state[key])}, the target's config implies {dims}")
 
 
-def save_head(head: DraftHead, directory: str | os.PathLike[str]) -> Path:
-    """Write the head's weights and config to `directory`; returns the directory."""
+def save_head(head: DraftHead, directory: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Path:
+    """Write the head's weights and config to `directory`; returns the directory. `dtype`: the floating-point tensors'
+    storage dtype (default: as they are; d2t/t2d keep int64/bool)."""
     from safetensors.torch import save
 
     directory = Path(directory)
     state = {key: value.detach().to("cpu").contiguous() for key, value in head.state_dict().items()}
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     frozen = [key for key in state if _is_frozen_key(key)]
     assert not frozen, f"head state dict holds the target's frozen tensors {frozen}"
     metadata = {"format": "pt", "kind": head.head_config.kind}

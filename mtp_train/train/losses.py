@@ -158,10 +158,12 @@ def distill_sums(
         return DistillSums(*sums)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
-    if draft_hidden.device.type == "cpu":  # keep each [rows, V] fp32 block below glibc's mmap threshold
+    if draft_hidden.device.type == "cpu":  # keep each [rows, width] fp32 block below glibc's mmap threshold
         from mtp_train.runtime.cpu import CPU_BLOCK_BYTES
 
-        chunk_size = max(1, min(chunk_size, CPU_BLOCK_BYTES // (4 * weight.shape[0])))
+        # The widest block: [rows, N] when the stored argmax spares the full-vocabulary target logits, else [rows, V].
+        width = draft_ids.numel() if target_top is not None else weight.shape[0]
+        chunk_size = max(1, min(chunk_size, CPU_BLOCK_BYTES // (4 * width)))
     return DistillSums(
         *_ChunkedDistill.apply(draft_hidden, target_next_hidden, weight, chunk_size, draft_ids, target_in_draft,
                                target_top)

@@ -31,6 +31,7 @@ RESUMABLE_CHANGES = {
     "train.max_steps", "train.epochs", "train.eval_every", "train.save_every", "train.keep_last",
 }
 RESUME_CHECKED_SECTIONS = ("target", "precompute", "head", "train")
+HEAD_STORAGE_DTYPE = torch.bfloat16
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -312,20 +313,30 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
     started = time.perf_counter()
     tokens_seen = 0
     flops_seen = 0.0
+    # Where a rank's training time goes (seconds): reading features, the unrolled losses (head forward, logits
+    # chunks with their gradient), backward through the head, DeepSpeed's step, held-out validation, checkpoints.
+    time_split = dict.fromkeys(("data", "forward", "backward", "step", "validation", "checkpoint"), 0.0)
     last_validation: dict[str, float] = {}
     step = start_step
     engine.train()
     while step < total_steps:
         sums: dict[str, float] = {}
         for _ in range(train.grad_accum):
+            t0 = time.perf_counter()
             batch = next(data)
+            t1 = time.perf_counter()
             loss, metrics = unrolled_losses(
                 engine, batch.input_ids.to(device), batch.hidden.to(device), batch.loss_mask.to(device),
                 batch.lengths, **loss_kwargs,
                 target_argmax=None if batch.target_argmax is None else batch.target_argmax.to(device),
             )
+            t2 = time.perf_counter()
             engine.backward(loss)
-            engine.step()
+            t3 = time.perf_counter()
+            engine.step()  # gradient reduction across ranks (at the accumulation boundary), clipping, AdamW
+            t4 = time.perf_counter()
+            for part, seconds in (("data", t1 - t0), ("forward", t2 - t1), ("backward", t3 - t2), ("step", t4 - t3)):
+                time_split[part] += seconds
             tokens_seen += batch.num_tokens
             flops_seen += metrics["flops"]
             for k in range(1, train.unroll_steps + 1):
@@ -356,24 +367,30 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
         elapsed = time.perf_counter() - started
         row["tokens_per_s"] = tokens_seen * world_size / max(elapsed, 1e-9)
         if step % train.eval_every == 0 or step == total_steps:
+            t0 = time.perf_counter()
             last_validation = validate(engine.module, eval_reader, loss_kwargs, device)
+            time_split["validation"] += time.perf_counter() - t0
             row.update({f"val/{k}": v for k, v in last_validation.items()})
         tracker.log(step, row)
         progress.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row.get('train/step1/top1', 0):.3f}",
                              tok_s=f"{row['tokens_per_s']:.0f}")
         progress.update(1)
         if step % train.save_every == 0 or step == total_steps:
+            t0 = time.perf_counter()
             save_checkpoint(step)
+            time_split["checkpoint"] += time.perf_counter() - t0
     progress.close()
 
     # ---- the head files ---------------------------------------------------------------------------------------
+    # Head files are stored in bf16 whatever the compute dtype was (engines serve heads in bf16; `export --dtype`
+    # changes it), so a head trained in fp32 on a CPU is the same size as one trained in bf16 on a GPU.
     head_dir = run_dir / "head"
     if train.zero_stage == 3:  # collective: every rank gathers, rank 0 writes
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
             if is_main:
-                save_head(engine.module, head_dir)
+                save_head(engine.module, head_dir, dtype=HEAD_STORAGE_DTYPE)
     elif is_main:
-        save_head(engine.module, head_dir)
+        save_head(engine.module, head_dir, dtype=HEAD_STORAGE_DTYPE)
     train_seconds = time.perf_counter() - started
     total_flops = torch.tensor([flops_seen], dtype=torch.float64)
     dist.all_reduce(total_flops)
@@ -382,6 +399,7 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
         speed = {"gflops": round(gflops, 2), "peak_gflops": None if peak_gflops is None else round(peak_gflops, 2),
                  "fraction_of_peak": None if peak_gflops is None else round(gflops / peak_gflops, 4)}
         summary = {"steps": step, "tokens": tokens_seen * world_size, "train_seconds": train_seconds, **speed,
+                   "time_split_rank0": {k: round(v, 1) for k, v in time_split.items()},
                    "world_size": world_size, "head_dir": str(head_dir), "target_fingerprint": fingerprint,
                    "compute_dtype": precision.dtype, "precision_reason": precision.reason,
                    "draft_vocab_size": head_config.draft_vocab_size or target.config.vocab_size,
@@ -395,5 +413,6 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
                         f"({peak_gflops:.1f} GFLOP/s)" if peak_gflops else "")
             print(f"train: {(step - start_step)} steps in {train_seconds:.0f} s, {gflops:.1f} GFLOP/s in the head's "
                   f"matmuls{fraction}")
+            print("train: rank 0's time: " + ", ".join(f"{k} {v:.0f} s" for k, v in time_split.items()))
     dist.barrier()
     return run_dir
