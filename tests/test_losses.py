@@ -186,7 +186,9 @@ def test_packed_sequences_do_not_leak(sliding_window):
         mask = torch.cat([mask_a, torch.zeros(len_b, dtype=torch.long)])
         _, packed = unrolled_losses(head, tokens, hidden, mask, [len_a, len_b], **kwargs)
         for key, value in alone.items():
-            if key.endswith("/rows"):
+            if key == "flops":  # a cost figure: B's rows cost FLOPs too
+                assert packed[key] > value
+            elif key.endswith("/rows"):
                 assert packed[key] == value, key
             else:
                 assert torch.allclose(packed[key], value, atol=1e-6), key
@@ -207,3 +209,25 @@ def test_unrolled_losses_chunked_equals_full_and_trains():
         grads.append(torch.cat([p.grad.flatten() for p in head.parameters()]))
         assert metrics["step1/rows"] == 10 and metrics["step2/rows"] == 8  # (8-2) + 0 + (6-2), then (8-3) + (6-3)
     assert torch.allclose(grads[0], grads[1], atol=1e-5) and grads[0].abs().sum() > 0
+
+
+def test_unrolled_losses_count_their_matmul_flops():
+    """metrics["flops"]: per unroll step, the head's linear layers and attention forward and backward (×3) over every
+    row, and draft logits, target logits and the logit gradient over the counted rows; 0 for a head that is not a
+    DraftHead."""
+    target = tiny_target()
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, init="random"))
+    lengths = [8, 6]
+    tokens, hidden = torch.randint(0, VOCAB, (14,)), torch.randn(14, D)
+    mask = torch.ones(14, dtype=torch.long)
+    _, metrics = unrolled_losses(head, tokens, hidden, mask, lengths, unroll_steps=2, chunk_size=4)
+    linear = sum(p.numel() for p in head.parameters() if p.dim() == 2)
+    config = target.config
+    expected = 0.0
+    for k in (1, 2):
+        step_lengths = [n - k for n in lengths]
+        pairs = sum(n * (n + 1) // 2 for n in step_lengths)
+        attention = 4 * config.num_attention_heads * config.head_dim * pairs * len(head.layers)
+        counted = metrics[f"step{k}/rows"]
+        expected += 3 * (2 * linear * sum(step_lengths) + attention) + 2 * counted * D * 3 * VOCAB
+    assert metrics["flops"] == pytest.approx(expected)

@@ -169,8 +169,13 @@ class TorchAttention(AttentionBackend):
             kv_slots = []
             for b in range(batch.batch_size):
                 pages = page_indices[page_indptr[b] : page_indptr[b + 1]]
-                slots = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
-                kv_slots.append(slots[: batch.kv_lens[b]].to(device))
+                slots = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)[: batch.kv_lens[b]]
+                # Pages that follow each other in the pool (the usual case for a request allocated step by step)
+                # are read as one slice, a view; otherwise the slots are gathered (index_select: ~3× faster than
+                # advanced indexing on CPU).
+                contiguous = bool(slots.numel()) and int(slots[-1] - slots[0]) == slots.numel() - 1 and bool(
+                    (slots[1:] > slots[:-1]).all())
+                kv_slots.append(slice(int(slots[0]), int(slots[-1]) + 1) if contiguous else slots.to(device))
             plan["kv_slots"] = kv_slots
         uniform = len(set(batch.q_lens)) == 1 and batch.batch_size > 1 and batch.uses_cache
         plan["uniform"] = uniform
@@ -180,7 +185,7 @@ class TorchAttention(AttentionBackend):
             mask = torch.zeros(batch.batch_size, 1, n_q, max_kv, dtype=torch.bool, device=device)
             for b, slots in enumerate(plan["kv_slots"]):
                 kv_len = batch.kv_lens[b]
-                padded_slots[b, :kv_len] = slots
+                padded_slots[b, :kv_len] = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
                 q_positions = batch.positions[bounds[b] : bounds[b + 1]]
                 mask[b, 0, :, :kv_len] = _allowed_mask(q_positions, kv_len, sliding_window)
             plan["padded_slots"], plan["padded_mask"] = padded_slots, mask
@@ -215,8 +220,10 @@ class TorchAttention(AttentionBackend):
         if plan["uniform"]:
             n_q = batch.q_lens[0]
             q_b = q.view(batch.batch_size, n_q, num_heads, -1).transpose(1, 2)  # [batch, heads, n_q, head_dim]
-            k_b = k_flat[plan["padded_slots"]].transpose(1, 2)  # [batch, kv_heads, max_kv, head_dim]
-            v_b = v_flat[plan["padded_slots"]].transpose(1, 2)
+            padded = plan["padded_slots"]
+            k_b = k_flat.index_select(0, padded.view(-1)).view(*padded.shape, *k_flat.shape[1:]).transpose(1, 2)
+            v_b = v_flat.index_select(0, padded.view(-1)).view(*padded.shape, *v_flat.shape[1:]).transpose(1, 2)
+            # k_b, v_b: [batch, kv_heads, max_kv, head_dim]
             if q.device.type == "cpu" and n_q <= _SMALL_QUERY:
                 out = _small_query_attention(q_b, k_b, v_b, plan["padded_mask"], scale)
             else:
@@ -229,7 +236,10 @@ class TorchAttention(AttentionBackend):
             q_b = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n_q, head_dim]
             if layer_cache is not None:
                 slots = plan["kv_slots"][b]
-                k_b, v_b = k_flat[slots], v_flat[slots]  # [kv_len, kv_heads, head_dim]
+                if isinstance(slots, slice):
+                    k_b, v_b = k_flat[slots], v_flat[slots]  # [kv_len, kv_heads, head_dim], views
+                else:
+                    k_b, v_b = k_flat.index_select(0, slots), v_flat.index_select(0, slots)
             else:
                 k_b, v_b = k[start:end], v[start:end]
             k_b = k_b.transpose(0, 1).unsqueeze(0)

@@ -25,6 +25,10 @@ def validate(head, reader, loss_kwargs: dict, device: torch.device, page_size: i
         batch = reader.load(positions)
         token_ids, hidden = batch.input_ids.to(device), batch.hidden.to(device)
         loss_mask = batch.loss_mask.to(device)
+        # With the cache's stored argmax, validation computes the same quantities as training does (target logits
+        # over the draft vocabulary only, α within it): the same meaning under the same name, and no full-vocabulary
+        # logits (those made validation cost as much as ~10 training steps).
+        target_argmax = None if batch.target_argmax is None else batch.target_argmax.to(device)
         # Step 1 through the paged draft path: rows i = 0..n-2 of each sample read (H_i, t_{i+1}).
         row_counts = [n - 1 for n in batch.lengths if n >= 2]
         starts = torch.tensor([0, *batch.lengths[:-1]], device=device).cumsum(0)
@@ -40,14 +44,15 @@ def validate(head, reader, loss_kwargs: dict, device: torch.device, page_size: i
         out = head(token_ids[read], hidden[read - 1], info, kv_cache=cache)  # [R, d]
         step1 = step_losses(
             out, hidden[read], counted, head.lm_head_weight, loss_kwargs.get("chunk_size"),
-            draft_ids=getattr(head, "draft_ids", None),
+            draft_ids=getattr(head, "draft_ids", None), target_top=None if target_argmax is None else target_argmax[read],
         )
         for seq in sequences:
             seq.release(allocator)
         _add(sums, 1, {name: getattr(step1, name) for name in _METRICS}, step1.rows)
         # Steps 2..k from the unroll (training forward, no cache).
         if loss_kwargs.get("unroll_steps", 1) > 1:
-            _, metrics = unrolled_losses(head, token_ids, hidden, loss_mask, batch.lengths, **loss_kwargs)
+            _, metrics = unrolled_losses(head, token_ids, hidden, loss_mask, batch.lengths, **loss_kwargs,
+                                         target_argmax=target_argmax)
             for k in range(2, loss_kwargs["unroll_steps"] + 1):
                 if f"step{k}/kl" in metrics:
                     _add(sums, k, {name: metrics[f"step{k}/{name}"] for name in _METRICS}, metrics[f"step{k}/rows"])
