@@ -138,3 +138,23 @@ def test_decode_weights_serve_small_row_calls_only():
     expected_small = nn.functional.linear(nn.functional.linear(x_small.bfloat16(), w0, b0).float().bfloat16(), w1)
     assert small.dtype == torch.float32
     torch.testing.assert_close(small, expected_small.float())  # few rows: the bf16 copies
+
+
+def test_env_command_prints_the_facts(capsys):
+    """`mtp-train env`: versions, CPU and flags, torch's capability and BLAS build, threads, CUDA, what auto picks
+    and why, and the two measured ceilings."""
+    from mtp_train.cli import main
+    from mtp_train.env_report import collect_env
+
+    env = collect_env(measure=True)
+    assert env["packages"]["torch"] == torch.__version__
+    assert env["cpu"]["torch_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert env["auto"]["dtype"] in ("float32", "bfloat16") and env["auto"]["reason"]
+    assert env["measured"]["matmul_gflops"]["float32"] > 0 and env["measured"]["matmul_gflops"]["bfloat16"] > 0
+    assert env["measured"]["read_bandwidth_gbs"] > 0
+    assert main(["env", "--no-measure"]) == 0
+    out = capsys.readouterr().out
+    for label in ("packages:", "cpu:", "cpu flags:", "torch cpu:", "threads:", "cuda:", "auto dtype:", "because:"):
+        assert label in out
+    assert main(["env", "--no-measure", "--json"]) == 0
+    assert "measured" not in json.loads(capsys.readouterr().out)

@@ -90,7 +90,7 @@ def cuda_devices() -> list[CudaDevice]:
     return devices
 
 
-def _seconds_per_call(fn, budget_s: float) -> float:
+def best_seconds(fn, budget_s: float) -> float:
     """Best-of seconds per call of `fn` within about `budget_s` (two warm-up calls first)."""
     fn()
     fn()
@@ -116,13 +116,13 @@ def measure_matmul_gflops(dtype: torch.dtype, rows: int = 256, inner: int = 1024
         if a.device.type == "cuda":
             torch.cuda.synchronize()
 
-    return 2 * rows * inner * cols / _seconds_per_call(call, budget_s) / 1e9
+    return 2 * rows * inner * cols / best_seconds(call, budget_s) / 1e9
 
 
 def measure_read_bandwidth_gbs(megabytes: int = 256, budget_s: float = 0.3) -> float:
     """GB/s of reading a buffer much larger than the caches (a sum over it), with the current threads."""
     buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
-    return buffer.numel() * 4 / _seconds_per_call(buffer.sum, budget_s) / 1e9
+    return buffer.numel() * 4 / best_seconds(buffer.sum, budget_s) / 1e9
 
 
 def blas_summary() -> str:

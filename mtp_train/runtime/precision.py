@@ -27,17 +27,15 @@ import hashlib
 import json
 import logging
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mtp_train.errors import UserError
-from mtp_train.runtime.hardware import CpuFacts, cpu_facts
+from mtp_train.runtime.hardware import CpuFacts, best_seconds, cpu_facts, measure_matmul_gflops
 
 log = logging.getLogger(__name__)
 
@@ -87,21 +85,9 @@ class Precision:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _best_seconds(fn: Callable[[], object], budget_s: float) -> float:
-    fn()
-    best = float("inf")
-    deadline = time.perf_counter() + budget_s
-    while True:
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-        if time.perf_counter() >= deadline:
-            return best
-
-
 def time_decode_matmuls(rows_list=PROBE_ROWS, budget_s: float = 0.08) -> dict[int, dict[str, float]]:
     """{rows: {"float32": s, "bfloat16": s}}: one pass of `rows` fp32 activations through a set of 576×1536 weights
-    totalling 160 MB in fp32 (larger than any last-level cache, so the weights stream from memory as in a decode step),
+    totalling 170 MB in fp32 (larger than any last-level cache, so the weights stream from memory as in a decode step),
     with fp32 weights, and with bf16 weights (activations cast to bf16 and the result back, as the runtime does)."""
     generator = torch.Generator().manual_seed(0)
     weights32 = [torch.randn(1536, 576, generator=generator) for _ in range(48)]
@@ -109,16 +95,14 @@ def time_decode_matmuls(rows_list=PROBE_ROWS, budget_s: float = 0.08) -> dict[in
     result: dict[int, dict[str, float]] = {}
     for rows in rows_list:
         x = torch.randn(rows, 576, generator=generator)
-        fp32 = _best_seconds(lambda: [F.linear(x, w) for w in weights32], budget_s)
-        bf16 = _best_seconds(lambda: [F.linear(x.to(torch.bfloat16), w).float() for w in weights16], budget_s)
+        fp32 = best_seconds(lambda: [F.linear(x, w) for w in weights32], budget_s)
+        bf16 = best_seconds(lambda: [F.linear(x.to(torch.bfloat16), w).float() for w in weights16], budget_s)
         result[rows] = {"float32": fp32, "bfloat16": bf16}
     return result
 
 
 def time_prefill_matmul(budget_s: float = 0.2) -> dict[str, float]:
     """{"float32": GFLOP/s, "bfloat16": GFLOP/s} of a 256-row matmul (the shape of prefill and training)."""
-    from mtp_train.runtime.hardware import measure_matmul_gflops
-
     return {name: measure_matmul_gflops(TORCH_DTYPES[name], budget_s=budget_s) for name in ("float32", "bfloat16")}
 
 
@@ -199,12 +183,12 @@ def resolve_precision(
         bf16 = torch.cuda.is_bf16_supported() if cuda_bf16 is None else cuda_bf16
         name = "bfloat16" if bf16 else "float32"
         reason = "CUDA device with bf16 support" if bf16 else "CUDA device without bf16 support"
-        return _with_decode(name, decode_dtype, reason, 0)
+        return _with_decode(name, decode_dtype, reason)
 
     facts = facts or cpu_facts()
     if facts.native_bf16:
         native = ", ".join(flag for flag in ("avx512_bf16", "amx_bf16") if flag in facts.flags)
-        return _with_decode("bfloat16", decode_dtype, f"CPU has native bf16 matmul ({native})", 0)
+        return _with_decode("bfloat16", decode_dtype, f"CPU has native bf16 matmul ({native})")
     if facts.is_x86:
         prefill, reason = "float32", (f"{facts.capability} CPU without avx512_bf16/amx_bf16: bf16 GEMMs fall back to "
                                       "slow kernels, fp32 for many rows")
@@ -214,7 +198,7 @@ def resolve_precision(
         reason = (f"{facts.arch} CPU, 256-row matmul timed: fp32 {gflops['float32']:.1f} GFLOP/s, bf16 "
                   f"{gflops['bfloat16']:.1f} GFLOP/s")
     if prefill == "bfloat16" or decode_dtype != "auto" or "decode" not in phases:
-        return _with_decode(prefill, decode_dtype, reason, 0)
+        return _with_decode(prefill, decode_dtype, reason)
     timing = decode_probe(facts, reprobe=reprobe, timer=decode_timer)
     rows = decode_rows_for_bf16(timing)
     if rows == 0:
@@ -226,10 +210,11 @@ def resolve_precision(
 
 
 def _explicit_rows(dtype: str, decode_dtype: str) -> int:
+    """A decode dtype set explicitly (and different from `dtype`) serves every decode and verify of up to 16 rows."""
     return 0 if decode_dtype == dtype else max(PROBE_ROWS)
 
 
-def _with_decode(dtype: str, decode_dtype: str, reason: str, rows: int) -> Precision:
+def _with_decode(dtype: str, decode_dtype: str, reason: str) -> Precision:
     if decode_dtype == "auto" or decode_dtype == dtype:
         return Precision(dtype, dtype, 0, reason)
     return Precision(dtype, decode_dtype, _explicit_rows(dtype, decode_dtype), reason + "; decode dtype as set")
