@@ -134,13 +134,11 @@ def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
     """
     from mtp_train.runtime.chat import encode_chat, stop_token_ids
     from mtp_train.runtime.generate import generate
-    from mtp_train.runtime.loader import load_model
+    from mtp_train.runtime.loader import load_model, resolve_device
+    from mtp_train.runtime.precision import resolve_precision
     from mtp_train.runtime.sampler import SamplingParams
 
     settings = recipe.data.regenerate
-    from mtp_train.runtime.loader import resolve_device
-    from mtp_train.runtime.precision import resolve_precision
-
     device = resolve_device(recipe.target.device)
     precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device)
     print(f"prepare --regenerate: {precision.describe()}", flush=True)

@@ -71,11 +71,9 @@ def evaluate(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_token
     from mtp_train.evaluate.runner import run_methods
     from mtp_train.fileio import write_json_atomic
     from mtp_train.runtime.chat import stop_token_ids
-    from mtp_train.runtime.loader import load_model, load_tokenizer
-    from mtp_train.runtime.sampler import SamplingParams
-
-    from mtp_train.runtime.loader import resolve_device
+    from mtp_train.runtime.loader import load_model, load_tokenizer, resolve_device
     from mtp_train.runtime.precision import apply_decode_weights, resolve_precision
+    from mtp_train.runtime.sampler import SamplingParams
 
     device = resolve_device(recipe.target.device)
     precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device)

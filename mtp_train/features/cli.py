@@ -14,14 +14,12 @@ def run_draft_vocab_cli(args) -> int:
     from mtp_train.features.draft_vocab import coverage_table, load_or_count
     from mtp_train.fileio import write_json_atomic
     from mtp_train.recipe import recipe_from_args
-    from mtp_train.runtime.loader import load_model
+    from mtp_train.runtime.loader import load_model, resolve_device
+    from mtp_train.runtime.precision import resolve_precision
 
     recipe = recipe_from_args(args)
     source = args.source or recipe.head.draft_vocab_source
     features_dir = Path(recipe.precompute.output_dir or f"data/features/{recipe.name}")
-    from mtp_train.runtime.loader import resolve_device
-    from mtp_train.runtime.precision import resolve_precision
-
     device = resolve_device(recipe.target.device)
     precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
     target = load_model(recipe.target.path, dtype=precision.dtype, device=device)

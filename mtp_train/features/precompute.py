@@ -188,9 +188,10 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     """Compute (or finish) the feature cache of `recipe`; returns its directory. Collective under torchrun."""
     from mtp_train.data.prepared import load_prepared
     from mtp_train.fingerprint import target_fingerprint
-    from mtp_train.recipe import save_resolved
+    from mtp_train.recipe import save_resolved, with_precision
     from mtp_train.runtime.attention import BatchInfo
-    from mtp_train.runtime.loader import load_model
+    from mtp_train.runtime.loader import load_model, resolve_device
+    from mtp_train.runtime.precision import resolve_precision
 
     env = env or DistEnv.from_environ()
     dist = _init_distributed(env)
@@ -204,14 +205,9 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
         shutil.rmtree(root)
     _barrier(dist)
 
-    from mtp_train.runtime.loader import resolve_device
-
     device = resolve_device(recipe.target.device)  # "cuda" without CUDA is an error, not a silent CPU run
     if device.type == "cuda":
         device = torch.device(f"cuda:{env.local_rank}")
-    from mtp_train.recipe import with_precision
-    from mtp_train.runtime.precision import resolve_precision
-
     precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
     recipe = with_precision(recipe, precision.dtype, precision.decode_dtype)
     if env.rank == 0:

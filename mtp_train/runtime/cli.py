@@ -58,7 +58,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from mtp_train.errors import UserError
     from mtp_train.runtime.chat import encode_chat, stop_token_ids
     from mtp_train.runtime.generate import generate
-    from mtp_train.runtime.loader import load_model, load_tokenizer
+    from mtp_train.runtime.loader import load_model, load_tokenizer, resolve_device
+    from mtp_train.runtime.precision import resolve_precision
     from mtp_train.runtime.sampler import SamplingParams
 
     if args.max_new_tokens < 1:
@@ -68,9 +69,6 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UserError(str(err)) from None
     target = args.target or _default_target()
-    from mtp_train.runtime.loader import resolve_device
-    from mtp_train.runtime.precision import resolve_precision
-
     device = resolve_device(args.device)
     precision = resolve_precision(args.dtype, args.decode_dtype, device)
     if not args.json:
