@@ -18,7 +18,7 @@ from mtp_train.errors import UserError
 # Modules that register subcommands, in the order they appear in --help (stage order).
 STAGE_MODULES = [
     "mtp_train.assets",
-    "mtp_train.runtime.cli",
+    "mtp_train.generate_cli",
     "mtp_train.data.prepare",
     "mtp_train.features.cli",
     "mtp_train.train.cli",

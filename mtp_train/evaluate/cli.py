@@ -71,6 +71,7 @@ def evaluate(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_token
     from mtp_train.evaluate.runner import run_methods
     from mtp_train.fileio import write_json_atomic
     from mtp_train.runtime.chat import stop_token_ids
+    from mtp_train.runtime.hardware import machine_name
     from mtp_train.runtime.loader import load_model, load_tokenizer, resolve_device
     from mtp_train.runtime.precision import apply_decode_weights, resolve_precision
     from mtp_train.runtime.sampler import SamplingParams
@@ -105,7 +106,7 @@ def evaluate(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_token
         "prompts": prompt_set.source, "num_prompts": len(prompt_set.prompts), "skipped": prompt_set.skipped,
         "settings": {"dtype": precision.dtype, "decode_dtype": precision.decode_dtype,
                      "decode_max_rows": precision.decode_max_rows, "precision_reason": precision.reason,
-                     "cpu_capability": _cpu_capability(device), "batch_size": 1, "max_new_tokens": max_new_tokens,
+                     "cpu_capability": machine_name(device), "batch_size": 1, "max_new_tokens": max_new_tokens,
                      "temperature": recipe.eval.temperature, "num_speculative_tokens": ks},
     }
     report = build_report(totals, meta)
@@ -152,15 +153,3 @@ def _log_to_run(recipe, run_dir: Path, report: dict, plots: list[Path]) -> None:
             tracker.wandb_run.log({k: v for k, v in row.items() if k != "step"})
             tracker.log_files(plots)
             tracker.wandb_run.finish()
-
-
-def _cpu_capability(device) -> str:
-    """Names the machine in the report: the CUDA device, or the CPU model and torch's CPU capability."""
-    from mtp_train.runtime.hardware import cpu_facts
-
-    if device.type == "cuda":
-        import torch
-
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    facts = cpu_facts()
-    return f"{facts.capability} ({facts.model})"

@@ -153,3 +153,11 @@ def machine_fields(compute_dtype: str) -> str:
         fields.append(f"cuda={torch.cuda.get_device_name(0).replace(' ', '_')}")
     fields.append(f"compute_dtype={compute_dtype}")
     return " ".join(fields)
+
+
+def machine_name(device: torch.device | None = None) -> str:
+    """The machine in a few words for reports: the CUDA device, or torch's CPU capability and the CPU model."""
+    if device is not None and device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    facts = cpu_facts()
+    return f"{facts.capability} ({facts.model})"

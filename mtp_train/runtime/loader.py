@@ -12,7 +12,7 @@ from mtp_train.errors import UserError
 from mtp_train.runtime.attention import get_backend
 from mtp_train.runtime.config import ModelConfig, load_config
 from mtp_train.runtime.model import CausalLM
-from mtp_train.runtime.precision import TORCH_DTYPES, Precision, apply_decode_weights, resolve_precision
+from mtp_train.runtime.precision import TORCH_DTYPES, Precision, apply_decode_weights
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +79,13 @@ def load_model(
 ) -> CausalLM:
     """Load a target model for inference. `precision` (from `runtime.precision.resolve_precision`) overrides `dtype`:
     the weights are held in its `dtype` and, when its decode dtype differs, few-row matmuls read a second copy
-    (`apply_decode_weights`). `dtype="auto"` resolves a precision for both phases here. Errors (missing files,
-    unsupported options, missing tensors) are `UserError`s naming the file and key."""
+    (`apply_decode_weights`). Errors (missing files, unsupported options, missing tensors) are `UserError`s naming
+    the file and key."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise UserError(f"{model_dir}: model directory not found (run `mtp-train fetch-assets` for the default model)")
     config: ModelConfig = load_config(model_dir)
     device = resolve_device(device) if isinstance(device, str) else device
-    if precision is None and dtype == "auto":
-        precision = resolve_precision("auto", "auto", device)
     torch_dtype = resolve_dtype(precision.dtype if precision is not None else dtype, device)
     state = load_state_dict(model_dir)
     if config.tie_word_embeddings:

@@ -264,5 +264,4 @@ def apply_decode_weights(model: nn.Module, precision: Precision) -> nn.Module:
                 copies[key] = _DecodeWeights(module, precision.decode_torch_dtype, precision.decode_max_rows)
             module.decode_weights = copies[key]
             module.__class__ = DecodeLinear
-    model.precision = precision
     return model

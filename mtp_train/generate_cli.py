@@ -2,7 +2,9 @@
 
 With `--head DIR` (a trained draft head, MTP chain schedule) or `--draft DIR` (a smaller model with the target's
 tokenizer, target–draft schedule) it decodes speculatively; the output is the same as without (token-identical in
-greedy mode) and `--json` adds the acceptance statistics."""
+greedy mode) and `--json` adds the acceptance statistics.
+
+A command module (the top layer): it loads heads, so it lives outside `runtime/`, which imports nothing above it."""
 
 from __future__ import annotations
 
