@@ -1,13 +1,18 @@
-"""Atomic file writes shared by every stage: write a temporary sibling, fsync, rename into place.
+"""File helpers shared by every stage: atomic writes (temporary sibling, fsync, rename into place), whole directories
+swapped into place, JSON reading with clear errors, file checksums.
 
-A reader never sees a half-written file, and a killed writer leaves only a `.<name>.tmp-<pid>` file behind (stages
-that resume remove those of their own)."""
+A reader never sees a half-written file or directory, and a killed writer leaves only a `.<name>.tmp-<pid>` file or
+directory behind (stages that resume remove those of their own)."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,5 +51,73 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def json_bytes(value: Any) -> bytes:
+    """The project's JSON file form: indented, UTF-8, non-ASCII kept as is, trailing newline."""
+    return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
 def write_json_atomic(path: str | os.PathLike[str], value: Any) -> Path:
-    return atomic_write_bytes(path, (json.dumps(value, indent=2) + "\n").encode("utf-8"))
+    return atomic_write_bytes(path, json_bytes(value))
+
+
+def read_json_object(path: str | os.PathLike[str], what: str = "") -> dict[str, Any]:
+    """A JSON object from `path`; UserError naming the file (and `what` it should be) when it is missing, unreadable,
+    not JSON or not an object."""
+    path = Path(path)
+    label = f"{path} ({what})" if what else str(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{label}: not found") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{label}: unreadable ({err})") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{label}: invalid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{label}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def file_sha256(path: str | os.PathLike[str], hasher: Any = None) -> str:
+    """Hex sha256 of a file's bytes, read in 4 MiB blocks (or feed them into `hasher` and return its hex digest)."""
+    hasher = hasher if hasher is not None else hashlib.sha256()
+    with Path(path).open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 22), b""):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def replace_directory(staging: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
+    """Rename the complete directory `staging` to `target`. An existing `target` is first renamed aside and removed
+    only once the new one is in place, so a crash leaves either the old or the new directory, never a mix."""
+    staging, target = Path(staging), Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    retired = None
+    if target.exists() or target.is_symlink():
+        retired = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, retired)
+    os.replace(staging, target)
+    if retired is not None:
+        if retired.is_dir() and not retired.is_symlink():
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            retired.unlink(missing_ok=True)
+    return target
+
+
+@contextmanager
+def staged_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a fresh hidden sibling `.<name>.tmp-<pid>` of `target` (mode as umask allows) to fill; on normal exit it
+    replaces `target` (`replace_directory`), on an exception it is removed and `target` is left as it was."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir()
+    try:
+        yield staging
+        replace_directory(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
