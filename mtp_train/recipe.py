@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mtp_train.errors import UserError
 from mtp_train.fileio import atomic_write_text
+from mtp_train.heads.config import HEAD_DEFAULTS, HeadConfig
 
 DEFAULT_RECIPE_PATH = "recipes/smollm2-135m-mtp.yaml"
 RESOLVED_RECIPE_FILENAME = "recipe.resolved.yaml"
@@ -44,7 +45,7 @@ class _Section(BaseModel):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-class TargetConfig(_Section):
+class TargetSection(_Section):
     """The target model whose draft heads we train."""
 
     path: str = Field(
@@ -76,7 +77,7 @@ class DataSource(_Section):
     limit: int | None = Field(None, ge=1, description="read at most this many rows of this source")
 
 
-class SystemPromptConfig(_Section):
+class SystemPromptSection(_Section):
     """What to do with system messages before rendering.
 
     keep: leave conversations as they are (the chat template may add its own default system prompt);
@@ -88,13 +89,13 @@ class SystemPromptConfig(_Section):
     text: str | None = None
 
     @model_validator(mode="after")
-    def _text_required_for_modes_that_insert_it(self) -> SystemPromptConfig:
+    def _text_required_for_modes_that_insert_it(self) -> SystemPromptSection:
         if self.mode in ("default", "override") and not self.text:
             raise ValueError(f"mode {self.mode!r} needs a non-empty `text`")
         return self
 
 
-class RegenerateConfig(_Section):
+class RegenerateSection(_Section):
     """Self-distillation: replace assistant turns by the target's own replies before tokenizing."""
 
     enabled: bool = False
@@ -106,7 +107,7 @@ class RegenerateConfig(_Section):
     )
 
 
-class DataConfig(_Section):
+class DataSection(_Section):
     """Conversation sources and how `prepare` turns them into (input_ids, loss_mask) samples."""
 
     sources: list[DataSource] = Field(
@@ -120,12 +121,12 @@ class DataConfig(_Section):
     overlong: Literal["truncate", "drop"] = "truncate"
     eval_fraction: float = Field(0.02, ge=0.0, lt=1.0)
     seed: int = 0
-    system_prompt: SystemPromptConfig = Field(default_factory=SystemPromptConfig)
+    system_prompt: SystemPromptSection = Field(default_factory=SystemPromptSection)
     output_dir: str | None = Field(None, description="null = data/prepared/<name>")
-    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+    regenerate: RegenerateSection = Field(default_factory=RegenerateSection)
 
 
-class PrecomputeConfig(_Section):
+class PrecomputeSection(_Section):
     """The feature cache: the target's hidden states for every prepared sample."""
 
     output_dir: str | None = Field(None, description="null = data/features/<name>")
@@ -148,12 +149,13 @@ class PrecomputeConfig(_Section):
         return layers
 
 
-class HeadConfig(_Section):
-    """The draft head's architecture."""
+class HeadSection(_Section):
+    """The draft head's architecture, as a recipe states it. Defaults are the head's own (`heads.config.HeadConfig`);
+    `head_config()` is the one conversion into that config."""
 
-    kind: Literal["mtp", "eagle1"] = Field("mtp", description="mtp = restored norms; eagle1 = the EAGLE-1 ablation")
-    num_layers: int = Field(1, ge=1)
-    init: Literal["last_layer", "random"] = Field("random", description="decoder layer init (random measured better than last_layer)")
+    kind: Literal["mtp", "eagle1"] = Field(HEAD_DEFAULTS["kind"], description="mtp = restored norms; eagle1 = the EAGLE-1 ablation")
+    num_layers: int = Field(HEAD_DEFAULTS["num_layers"], ge=1)
+    init: Literal["random", "last_layer"] = Field(HEAD_DEFAULTS["init"], description="decoder layer init (random measured better than last_layer)")
     draft_vocab_size: int | Literal["full"] = Field("full", description="'full' or a reduced draft vocabulary size")
     draft_vocab_source: Literal["target", "data"] = Field(
         "target", description="labels counted to pick the draft vocabulary: the target's argmax or the data's tokens"
@@ -168,8 +170,16 @@ class HeadConfig(_Section):
             raise ValueError(f"expected 'full' or a positive integer, got {value!r}")
         return value
 
+    def head_config(self, target_config: Any, target_fingerprint: str | None = None) -> HeadConfig:
+        """The head architecture this section describes for a target (`runtime.config.ModelConfig`); the recipe's
+        "full" draft vocabulary is the config's None."""
+        return HeadConfig.for_target(
+            target_config, target_fingerprint=target_fingerprint, kind=self.kind, num_layers=self.num_layers,
+            init=self.init, draft_vocab_size=None if self.draft_vocab_size == "full" else self.draft_vocab_size,
+        )
 
-class TrainConfig(_Section):
+
+class TrainSection(_Section):
     """The DeepSpeed training loop."""
 
     run_dir: str | None = Field(None, description="null = runs/<name>")
@@ -198,7 +208,7 @@ class TrainConfig(_Section):
     seed: int = 0
 
 
-class EvalConfig(_Section):
+class EvalSection(_Section):
     """Acceptance evaluation through the speculative inference path."""
 
     prompts: str | None = Field(None, description="MT-bench-style JSONL; null = the held-out split of `prepare`")
@@ -215,7 +225,7 @@ class EvalConfig(_Section):
         return counts
 
 
-class WandbConfig(_Section):
+class WandbSection(_Section):
     """Weights & Biases run settings (metrics are always also written locally to metrics.jsonl)."""
 
     project: str = "mtp-train"
@@ -226,23 +236,23 @@ class WandbConfig(_Section):
     mode: Literal["online", "offline", "disabled"] = "offline"
 
 
-class TrackingConfig(_Section):
+class TrackingSection(_Section):
     """Experiment tracking."""
 
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    wandb: WandbSection = Field(default_factory=WandbSection)
 
 
 class Recipe(_Section):
     """A whole recipe. Derived defaults (output directories, W&B run name) are filled in from `name`."""
 
     name: str
-    target: TargetConfig = Field(default_factory=TargetConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
-    head: HeadConfig = Field(default_factory=HeadConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    target: TargetSection = Field(default_factory=TargetSection)
+    data: DataSection = Field(default_factory=DataSection)
+    precompute: PrecomputeSection = Field(default_factory=PrecomputeSection)
+    head: HeadSection = Field(default_factory=HeadSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
 
     @field_validator("name")
     @classmethod
@@ -262,6 +272,19 @@ class Recipe(_Section):
         if self.tracking.wandb.run_name is None:
             self.tracking.wandb.run_name = self.name
         return self
+
+    # The output locations, filled in from `name` above where the recipe leaves them null: read them here only.
+    @property
+    def prepared_dir(self) -> Path:
+        return Path(self.data.output_dir)
+
+    @property
+    def features_dir(self) -> Path:
+        return Path(self.precompute.output_dir)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.train.run_dir)
 
 
 RECIPE_SECTIONS = tuple(name for name in Recipe.model_fields if name != "name")

@@ -87,7 +87,7 @@ def main() -> None:
     for size in args.sizes:
         heads[size] = apply_decode_weights(load_head(args.out / size / "head", target), precision)
         summaries[size] = json.loads((args.out / size / "summary.json").read_text())
-    prepared_dir = recipe.data.output_dir or f"data/prepared/{recipe.name}"
+    prepared_dir = recipe.prepared_dir
     prompts = load_heldout(prepared_dir, args.num_prompts).prompts
     stops = stop_token_ids(tokenizer, target.config)
     with torch.inference_mode():

@@ -33,9 +33,9 @@ def main() -> int:
     from mtp_train.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    run_dir = Path(recipe.train.run_dir or f"runs/{recipe.name}")
-    prepared_dir = Path(recipe.data.output_dir or f"data/prepared/{recipe.name}")
-    features_dir = Path(recipe.precompute.output_dir or f"data/features/{recipe.name}")
+    run_dir = recipe.run_dir
+    prepared_dir = recipe.prepared_dir
+    features_dir = recipe.features_dir
     exports_dir = REPO / "exports" / recipe.name
     sets = [a for o in args.overrides for a in ("--set", o)]
     recipe_args = ["--recipe", args.recipe, *sets]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -231,3 +233,27 @@ def test_unrolled_losses_count_their_matmul_flops():
         counted = metrics[f"step{k}/rows"]
         expected += 3 * (2 * linear * sum(step_lengths) + attention) + 2 * counted * D * 3 * VOCAB
     assert metrics["flops"] == pytest.approx(expected)
+
+
+def test_metric_sums_combine_batches_with_one_meaning_per_name():
+    """Training and validation combine micro-batches, batches and ranks through the same sums: the KL is a mean over
+    the rows inside the draft vocabulary, every other metric over all counted rows, whatever the batch split."""
+    from mtp_train.train.losses import STEP_METRICS, add_sums, metric_means, metric_sums
+
+    def batch(rows, inside, kl_sum, top1_sum):
+        means = {f"step1/{name}": torch.tensor(0.5) for name in STEP_METRICS}
+        means["step1/kl"] = torch.tensor(kl_sum / inside)
+        means["step1/top1"] = torch.tensor(top1_sum / rows)
+        means["step1/coverage"] = torch.tensor(inside / rows)
+        means["step1/rows"] = rows
+        return means
+
+    total = add_sums({}, metric_sums(batch(rows=10, inside=5, kl_sum=10.0, top1_sum=4.0)))
+    add_sums(total, metric_sums(batch(rows=30, inside=30, kl_sum=30.0, top1_sum=6.0)))
+    means = metric_means(total)
+    assert means["step1/rows"] == 40
+    assert means["step1/kl"] == pytest.approx(40.0 / 35)  # Σ KL / Σ inside rows, not a row-weighted mean of means
+    assert means["step1/top1"] == pytest.approx(10.0 / 40)
+    assert means["step1/coverage"] == pytest.approx(35 / 40)
+    empty = metric_means(metric_sums({**{f"step2/{n}": torch.tensor(0.0) for n in STEP_METRICS}, "step2/rows": 0}))
+    assert empty["step2/rows"] == 0 and math.isnan(empty["step2/kl"])

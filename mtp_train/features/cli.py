@@ -19,7 +19,7 @@ def run_draft_vocab_cli(args) -> int:
 
     recipe = recipe_from_args(args)
     source = args.source or recipe.head.draft_vocab_source
-    features_dir = Path(recipe.precompute.output_dir or f"data/features/{recipe.name}")
+    features_dir = recipe.features_dir
     device = resolve_device(recipe.target.device)
     precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
     target = load_model(recipe.target.path, dtype=precision.dtype, device=device)

@@ -196,8 +196,8 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     env = env or DistEnv.from_environ()
     dist = _init_distributed(env)
     pre = recipe.precompute
-    root = Path(pre.output_dir or f"data/features/{recipe.name}")
-    prepared_dir = Path(recipe.data.output_dir or f"data/prepared/{recipe.name}")
+    root = recipe.features_dir
+    prepared_dir = recipe.prepared_dir
     prepared = load_prepared(prepared_dir)
     splits = {"train": prepared.train, "eval": prepared.eval}
 

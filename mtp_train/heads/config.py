@@ -11,7 +11,7 @@ from mtp_train.errors import UserError
 from mtp_train.runtime.config import ModelConfig
 
 HEAD_KINDS = ("mtp", "eagle1")
-HEAD_INITS = ("last_layer", "random")
+HEAD_INITS = ("random", "last_layer")
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,8 @@ class HeadConfig:
     model_type: str
     kind: str = "mtp"
     num_layers: int = 1
-    init: str = "last_layer"  # "last_layer": copy the target's last decoder layer; "random": normal(0, init_range)
+    init: str = "random"  # "random": normal(0, init_range) (learned faster, docs/tuning.md); "last_layer": copy the
+    # target's last decoder layer
     draft_vocab_size: int | None = None  # None = the full vocabulary; N = the head predicts N target tokens (d2t/t2d)
     target_fingerprint: str | None = None  # hash of the target it was trained for; checked on load when both known
     aux_layers: tuple[int, ...] = ()  # target layers whose outputs the head reads (EAGLE-3, later); empty for now
@@ -96,3 +97,7 @@ class HeadConfig:
             raise UserError(f"{source}: invalid JSON ({err})") from None
         return HeadConfig.from_dict(data, source)
 
+
+
+# The defaults of the options a recipe's `head` section sets (recipe.HeadSection reads them from here).
+HEAD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(HeadConfig) if f.name in ("kind", "num_layers", "init")}

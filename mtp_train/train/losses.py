@@ -14,6 +14,7 @@ pass. `chunk_size=None` is the plain full-logits autograd reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -176,6 +177,13 @@ def feature_loss_sum(draft_hidden: torch.Tensor, target_next_hidden: torch.Tenso
     return F.smooth_l1_loss(draft_hidden.float(), target, beta=beta, reduction="none").mean(-1).sum()
 
 
+# The metrics of each unroll step k, logged as `step{k}/<name>` (training: `train/step{k}/...`, validation: `val/...`).
+# Each is a mean over the step's counted rows, except the KL: a mean over the counted rows whose target argmax lies in
+# the draft vocabulary (all of them with the full vocabulary); `metric_sums`/`metric_means` keep that one meaning when
+# batches, micro-batches and ranks are combined.
+STEP_METRICS = ("feature", "kl", "top1", "top3", "alpha", "coverage")
+
+
 @dataclass
 class StepLosses:
     """One unroll step's losses, averaged over its counted rows (0 when none)."""
@@ -187,6 +195,47 @@ class StepLosses:
     alpha: torch.Tensor  # [] detached
     coverage: torch.Tensor  # [] detached: share of counted rows whose target argmax is in the draft vocabulary
     rows: int  # counted rows
+
+    def metrics(self, k: int) -> dict[str, torch.Tensor | int]:
+        """`step{k}/<name>` for every STEP_METRICS name (detached) and `step{k}/rows`."""
+        out: dict[str, torch.Tensor | int] = {f"step{k}/{name}": getattr(self, name).detach() for name in STEP_METRICS}
+        out[f"step{k}/rows"] = self.rows
+        return out
+
+
+def metric_sums(metrics: dict[str, Any]) -> dict[str, float]:
+    """The per-step means in `metrics` (from `unrolled_losses` or `StepLosses.metrics`) as sums that add up across
+    batches and ranks: `step{k}/<name>` times the rows it is a mean over, plus `step{k}/rows` and `step{k}/inside`
+    (counted rows inside the draft vocabulary: the KL's rows)."""
+    sums: dict[str, float] = {}
+    steps = sorted({key.split("/")[0] for key in metrics if key.startswith("step") and key.endswith("/rows")})
+    for step in steps:
+        rows = int(metrics[f"{step}/rows"])
+        inside = float(round(float(metrics[f"{step}/coverage"]) * rows))
+        sums[f"{step}/rows"] = float(rows)
+        sums[f"{step}/inside"] = inside
+        for name in STEP_METRICS:
+            sums[f"{step}/{name}"] = float(metrics[f"{step}/{name}"]) * (inside if name == "kl" else rows)
+    return sums
+
+
+def add_sums(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    for key, value in more.items():
+        total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def metric_means(sums: dict[str, float]) -> dict[str, float | int]:
+    """`step{k}/<name>` means from `metric_sums` totals (NaN where a step had no rows) and `step{k}/rows` counts."""
+    means: dict[str, float | int] = {}
+    steps = sorted({key.split("/")[0] for key in sums if key.endswith("/rows")}, key=lambda s: int(s[4:]))
+    for step in steps:
+        rows, inside = sums[f"{step}/rows"], sums[f"{step}/inside"]
+        for name in STEP_METRICS:
+            count = inside if name == "kl" else rows
+            means[f"{step}/{name}"] = sums[f"{step}/{name}"] / count if count else float("nan")
+        means[f"{step}/rows"] = int(rows)
+    return means
 
 
 def step_losses(
@@ -309,9 +358,7 @@ def unrolled_losses(
         )
         step_loss = step_weight_decay ** (k - 1) * (feature_weight * losses.feature + kl_weight * losses.kl)
         total = step_loss if total is None else total + step_loss
-        for name in ("feature", "kl", "top1", "top3", "alpha", "coverage"):
-            metrics[f"step{k}/{name}"] = getattr(losses, name).detach()
-        metrics[f"step{k}/rows"] = losses.rows
+        metrics.update(losses.metrics(k))
         flops += _step_flops(head, rows.lengths, losses.rows, target_argmax is not None)
         previous_out, previous_lengths = out, rows.lengths
     if total is None:  # every sequence shorter than 2 tokens: nothing to learn

@@ -1,8 +1,10 @@
 """`mtp-train train`: fit a draft head on the feature cache with DeepSpeed (also under torchrun, multi-node).
 
-Read top to bottom: set-up (distributed, target's frozen parts, head, feature readers, DeepSpeed engine, schedule,
-resume), then the loop (micro-batches → unrolled losses → backward → step; periodic held-out validation through the
-runtime's draft path; checkpoints), then the head files. The run dir (`train.run_dir`, default `runs/<name>/`) holds
+Read top to bottom, as torchtitan separates them: `setup` (distributed, compute dtype, the target's frozen parts,
+feature readers, head, DeepSpeed engine and schedule), `resume_from_checkpoint`, `train_step` (micro-batches →
+unrolled losses → backward → DeepSpeed step; metric sums reduced over ranks), `save_checkpoint`, `save_head_files`,
+and `run_training`, the loop that ties them together (periodic held-out validation through the runtime's draft path,
+checkpoints, the summary). The run dir (`train.run_dir`, default `runs/<name>/`) holds
 `checkpoints/step-N/` (DeepSpeed + our client state), `metrics.jsonl`, `summary.json`, `recipe.resolved.yaml`,
 `wandb/` and, at the end, `head/` (native safetensors + head_config.json).
 """
@@ -16,6 +18,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,9 +130,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
-_STEP_METRICS = ("feature", "kl", "top1", "top3", "alpha", "coverage")
-
-
 def _choose_draft_vocab(head, target, features_dir: Path, source: str, is_main: bool) -> float:
     """Set the head's draft vocabulary to the top-N labels of the training features (counted by all ranks together
     and cached next to the features); returns the coverage of the counted labels."""
@@ -154,30 +154,63 @@ def _checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the run
+# the run: set-up, resume, one optimizer step, checkpoint, head files; `run_training` ties them together
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run_training(recipe, resume: str = "auto", force: bool = False, show_progress: bool = True) -> Path:
-    """Train the head of `recipe`. resume: "auto" (continue from the run dir's latest checkpoint if any), "never",
-    or a checkpoint directory. Returns the run dir. Collective under torchrun."""
+@dataclass
+class TrainingRun:
+    """What set-up produces and every later part reads: the recipe (dtypes resolved), the process group, the target's
+    frozen parts, the feature readers and the DeepSpeed engine around the head."""
+
+    recipe: Any
+    rank: int
+    world_size: int
+    device: torch.device
+    precision: Any  # runtime.precision.Precision
+    target: Any  # runtime.model.CausalLM: embed_tokens and lm_head, used by reference
+    fingerprint: str
+    train_reader: Any  # features.reader.FeatureReader
+    eval_reader: Any
+    head_config: Any  # heads.config.HeadConfig
+    engine: Any  # deepspeed engine; engine.module is the DraftHead
+    total_steps: int
+    draft_vocab_coverage: float | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.recipe.run_dir
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.recipe.run_dir / "checkpoints"
+
+    @property
+    def loss_kwargs(self) -> dict[str, Any]:
+        train = self.recipe.train
+        return dict(unroll_steps=train.unroll_steps, step_weight_decay=train.step_weight_decay,
+                    feature_weight=train.feature_loss_weight, kl_weight=train.kl_loss_weight,
+                    chunk_size=train.logits_chunk_size)
+
+
+def setup(recipe) -> TrainingRun:
+    """Process group (gloo on CPU, NCCL on CUDA; alone too), compute dtype, target, feature readers, head (draft
+    vocabulary chosen from the training labels), AdamW + LR schedule inside a DeepSpeed engine."""
     import deepspeed
+    import torch.distributed as dist
 
     from mtp_train.features.reader import FeatureReader
     from mtp_train.fingerprint import target_fingerprint
-    from mtp_train.heads import DraftHead, HeadConfig, save_head
-    from mtp_train.recipe import recipe_to_dict, save_resolved, with_precision
+    from mtp_train.heads import DraftHead
+    from mtp_train.recipe import with_precision
     from mtp_train.runtime.loader import load_model
     from mtp_train.runtime.precision import resolve_precision
-    from mtp_train.train.losses import unrolled_losses
-    from mtp_train.train.tracking import Tracker, truncate_metrics
-    from mtp_train.train.validation import validate
 
     train = recipe.train
-    run_dir = Path(train.run_dir or f"runs/{recipe.name}")
-    features_dir = Path(recipe.precompute.output_dir or f"data/features/{recipe.name}")
-
-    # Distributed: gloo on CPU, NCCL on CUDA; works alone (world size 1) too.
     use_cuda = torch.cuda.is_available() and recipe.target.device in ("auto", "cuda")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -185,19 +218,15 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
-    import torch.distributed as dist
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    is_main = rank == 0
 
     # Compute dtype: `auto` resolves to the fastest many-row dtype this device has (runtime/precision.py).
     precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
     recipe = with_precision(recipe, precision.dtype, precision.decode_dtype)
-    if is_main:
+    if rank == 0:
         print(f"train: {precision.describe('prefill')}", flush=True)
 
     # Target (frozen: only embed_tokens and lm_head are used, by reference) and the head.
@@ -205,214 +234,263 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
     fingerprint = target_fingerprint(recipe.target.path)
     readers_kwargs = dict(micro_batch_tokens=train.micro_batch_tokens, rank=rank, world_size=world_size,
                           seed=train.seed, expected_fingerprints={"target": fingerprint})
-    train_reader = FeatureReader(features_dir, "train", dtype=target.dtype, **readers_kwargs)
-    eval_reader = FeatureReader(features_dir, "eval", dtype=target.dtype, **{**readers_kwargs, "rank": 0,
-                                "world_size": 1})
-    head_options = recipe.head
-    head_config = HeadConfig.for_target(
-        target.config, target_fingerprint=fingerprint, kind=head_options.kind, num_layers=head_options.num_layers,
-        init=head_options.init,
-        draft_vocab_size=None if head_options.draft_vocab_size == "full" else head_options.draft_vocab_size,
-    )
+    train_reader = FeatureReader(recipe.features_dir, "train", dtype=target.dtype, **readers_kwargs)
+    eval_reader = FeatureReader(recipe.features_dir, "eval", dtype=target.dtype,
+                                **{**readers_kwargs, "rank": 0, "world_size": 1})
+    head_config = recipe.head.head_config(target.config, fingerprint)
     torch.manual_seed(train.seed)
     head = DraftHead.from_target(target, head_config, dtype=torch.float32)
     draft_vocab_coverage = None
     if head_config.draft_vocab_size is not None:
-        draft_vocab_coverage = _choose_draft_vocab(head, target, features_dir, head_options.draft_vocab_source, is_main)
+        draft_vocab_coverage = _choose_draft_vocab(head, target, recipe.features_dir, recipe.head.draft_vocab_source,
+                                                   rank == 0)
 
-    batches_per_epoch = train_reader.batches_per_epoch()
-    steps_per_epoch = max(1, batches_per_epoch // train.grad_accum)
+    steps_per_epoch = max(1, train_reader.batches_per_epoch() // train.grad_accum)
     total_steps = train.max_steps or steps_per_epoch * train.epochs
-
-    optimizer = torch.optim.AdamW(head.parameters(), lr=train.lr, weight_decay=train.weight_decay,
-                                  betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=train.lr, weight_decay=train.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, train.warmup_steps, total_steps, train.schedule, train.min_lr_ratio)
     )
     use_bf16 = precision.dtype == "bfloat16"  # DeepSpeed's bf16 section only when training computes in bf16
-    engine, _, _, _ = deepspeed.initialize(
-        model=head, optimizer=optimizer, lr_scheduler=scheduler,
-        config=deepspeed_config(recipe, world_size, use_bf16),
-    )
+    engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(recipe, world_size, use_bf16))
+    return TrainingRun(recipe, rank, world_size, device, precision, target, fingerprint, train_reader, eval_reader,
+                       head_config, engine, total_steps, draft_vocab_coverage)
 
-    # Resume.
-    ckpt_dir = run_dir / "checkpoints"
-    start_step = 0
-    saved_recipe_path = run_dir / "recipe.resolved.yaml"
-    resume_from: Path | None = None
+
+def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool = False) -> tuple[int, bool]:
+    """Load the checkpoint `resume` names ("auto": the run dir's latest, if any; "never"; or a checkpoint
+    directory) into the engine, the reader and the RNGs; prepare the run dir (resolved recipe, metrics cut back to
+    the checkpoint). Returns the optimizer step to start from and whether a checkpoint was loaded."""
+    import torch.distributed as dist
+
+    from mtp_train.recipe import RESOLVED_RECIPE_FILENAME, recipe_to_dict, save_resolved
+    from mtp_train.train.tracking import truncate_metrics
+
+    checkpoint: Path | None = None
     if resume == "auto":
-        existing = _checkpoints(ckpt_dir)
-        resume_from = existing[-1] if existing else None
+        existing = _checkpoints(run.checkpoint_dir)
+        checkpoint = existing[-1] if existing else None
     elif resume != "never":
-        resume_from = Path(resume)
-        if not (resume_from / "client_state.json").is_file():
-            raise UserError(f"{resume_from}: not a checkpoint of this trainer (no client_state.json)")
-    if resume_from is not None:
+        checkpoint = Path(resume)
+        if not (checkpoint / "client_state.json").is_file():
+            raise UserError(f"{checkpoint}: not a checkpoint of this trainer (no client_state.json)")
+    start_step = 0
+    if checkpoint is not None:
         import yaml
 
+        saved_recipe_path = run.run_dir / RESOLVED_RECIPE_FILENAME
         if saved_recipe_path.is_file():
             saved = yaml.safe_load(saved_recipe_path.read_text())
-            changed = changed_recipe_keys(saved, recipe_to_dict(recipe))
+            changed = changed_recipe_keys(saved, recipe_to_dict(run.recipe))
             if changed and not force:
                 raise UserError(
-                    f"{run_dir}: resuming with a changed recipe ({', '.join(changed)}); use the saved recipe, another "
-                    "train.run_dir, or --force to resume anyway"
+                    f"{run.run_dir}: resuming with a changed recipe ({', '.join(changed)}); use the saved recipe, "
+                    "another train.run_dir, or --force to resume anyway"
                 )
-        load_path, client = engine.load_checkpoint(str(resume_from.parent), tag=resume_from.name)
+        load_path, client = run.engine.load_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
         if load_path is None:
-            raise UserError(f"{resume_from}: DeepSpeed could not load this checkpoint")
-        state = json.loads((resume_from / "client_state.json").read_text())
-        train_reader.load_state_dict(state["reader"])
-        _set_rng_state(client["rng"][rank] if isinstance(client.get("rng"), list) else client["rng"])
+            raise UserError(f"{checkpoint}: DeepSpeed could not load this checkpoint")
+        state = json.loads((checkpoint / "client_state.json").read_text())
+        run.train_reader.load_state_dict(state["reader"])
+        _set_rng_state(client["rng"][run.rank] if isinstance(client.get("rng"), list) else client["rng"])
         start_step = state["step"]
-        if is_main:
-            print(f"train: resumed from {resume_from} at step {start_step}")
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_resolved(recipe, run_dir)
-        if resume_from is None:
+        if run.is_main:
+            print(f"train: resumed from {checkpoint} at step {start_step}")
+    if run.is_main:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        save_resolved(run.recipe, run.run_dir)
+        if checkpoint is None:
             for stale in ("metrics.jsonl", "summary.json"):
-                (run_dir / stale).unlink(missing_ok=True)
+                (run.run_dir / stale).unlink(missing_ok=True)
         else:
-            truncate_metrics(run_dir / "metrics.jsonl", start_step)
+            truncate_metrics(run.run_dir / "metrics.jsonl", start_step)
     dist.barrier()
-    tracker = Tracker(run_dir, recipe, enabled=is_main, resume=resume_from is not None)
+    return start_step, checkpoint is not None
 
-    def save_checkpoint(step: int, tag: str | None = None) -> Path:
-        tag = tag or f"step-{step}"
-        rngs = [None] * world_size
-        dist.all_gather_object(rngs, _rng_state())
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"rng": rngs})
-        path = ckpt_dir / tag
-        if is_main:
-            from mtp_train.fileio import write_json_atomic
 
-            write_json_atomic(path / "client_state.json", {"step": step, "reader": train_reader.state_dict(),
-                                                           "target_fingerprint": fingerprint})
-            for old in _checkpoints(ckpt_dir)[: -train.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
-        return path
+def save_checkpoint(run: TrainingRun, step: int, tag: str | None = None) -> Path:
+    """DeepSpeed's checkpoint plus our client state (step, reader position, every rank's RNGs); keeps the last
+    `train.keep_last`. Collective."""
+    import torch.distributed as dist
 
-    # ---- the loop -------------------------------------------------------------------------------------------
+    from mtp_train.fileio import write_json_atomic
+
+    tag = tag or f"step-{step}"
+    rngs = [None] * run.world_size
+    dist.all_gather_object(rngs, _rng_state())
+    run.engine.save_checkpoint(str(run.checkpoint_dir), tag=tag, client_state={"rng": rngs})
+    path = run.checkpoint_dir / tag
+    if run.is_main:
+        write_json_atomic(path / "client_state.json", {"step": step, "reader": run.train_reader.state_dict(),
+                                                       "target_fingerprint": run.fingerprint})
+        for old in _checkpoints(run.checkpoint_dir)[: -run.recipe.train.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: the loss and metric sums reduced over ranks, and this rank's work and time split."""
+
+    totals: dict[str, float]  # "loss" (mean over ranks × world size), "tokens", and metric_sums keys, summed over ranks
+    tokens: int  # this rank's tokens
+    flops: float  # this rank's matmul FLOPs
+    seconds: dict[str, float]  # this rank's data / forward / backward / step time
+
+
+def train_step(run: TrainingRun, data) -> StepResult:
+    """`train.grad_accum` micro-batches (unrolled losses → backward → DeepSpeed step, which reduces gradients across
+    ranks at the accumulation boundary, clips and runs AdamW), then the metric sums reduced over ranks."""
+    import torch.distributed as dist
+
+    from mtp_train.train.losses import add_sums, metric_sums, unrolled_losses
+
+    accum = run.recipe.train.grad_accum
+    sums: dict[str, float] = {"loss": 0.0, "tokens": 0.0}
+    seconds = dict.fromkeys(("data", "forward", "backward", "step"), 0.0)
+    tokens, flops = 0, 0.0
+    for _ in range(accum):
+        t0 = time.perf_counter()
+        batch = next(data)
+        t1 = time.perf_counter()
+        loss, metrics = unrolled_losses(
+            run.engine, batch.input_ids.to(run.device), batch.hidden.to(run.device), batch.loss_mask.to(run.device),
+            batch.lengths, **run.loss_kwargs,
+            target_argmax=None if batch.target_argmax is None else batch.target_argmax.to(run.device),
+        )
+        t2 = time.perf_counter()
+        run.engine.backward(loss)
+        t3 = time.perf_counter()
+        run.engine.step()
+        t4 = time.perf_counter()
+        for part, spent in (("data", t1 - t0), ("forward", t2 - t1), ("backward", t3 - t2), ("step", t4 - t3)):
+            seconds[part] += spent
+        tokens += batch.num_tokens
+        flops += metrics["flops"]
+        add_sums(sums, metric_sums(metrics))
+        sums["loss"] += float(metrics["loss"]) / accum
+        sums["tokens"] += batch.num_tokens
+    keys = sorted(sums)
+    reduced = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(reduced)
+    return StepResult(dict(zip(keys, reduced.tolist())), tokens, flops, seconds)
+
+
+def save_head_files(run: TrainingRun) -> Path:
+    """The head as native safetensors + head_config.json in `<run dir>/head`, stored in bf16 whatever the compute
+    dtype was (engines serve heads in bf16; `export --dtype` changes it), so a head trained in fp32 on a CPU is the
+    same size as one trained in bf16 on a GPU. Collective under ZeRO-3."""
+    import deepspeed
+
+    from mtp_train.heads import save_head
+
+    head_dir = run.run_dir / "head"
+    if run.recipe.train.zero_stage == 3:  # every rank gathers, rank 0 writes
+        with deepspeed.zero.GatheredParameters(list(run.engine.module.parameters()), modifier_rank=None):
+            if run.is_main:
+                save_head(run.engine.module, head_dir, dtype=HEAD_STORAGE_DTYPE)
+    elif run.is_main:
+        save_head(run.engine.module, head_dir, dtype=HEAD_STORAGE_DTYPE)
+    return head_dir
+
+
+def _measure_peak_gflops(run: TrainingRun) -> float | None:
+    """The ranks' matmul ceiling on CPU, measured together (as they train) and summed over ranks."""
+    if run.device.type != "cpu":
+        return None
+    import torch.distributed as dist
+
+    from mtp_train.runtime.hardware import measure_matmul_gflops
+
+    peak = torch.tensor([measure_matmul_gflops(run.precision.torch_dtype)], dtype=torch.float64)
+    dist.all_reduce(peak)
+    return float(peak.item())
+
+
+def run_training(recipe, resume: str = "auto", force: bool = False, show_progress: bool = True) -> Path:
+    """Train the head of `recipe`. resume: "auto" (continue from the run dir's latest checkpoint if any), "never",
+    or a checkpoint directory. Returns the run dir. Collective under torchrun."""
+    import torch.distributed as dist
     from tqdm import tqdm
 
-    loss_kwargs = dict(unroll_steps=train.unroll_steps, step_weight_decay=train.step_weight_decay,
-                       feature_weight=train.feature_loss_weight, kl_weight=train.kl_loss_weight,
-                       chunk_size=train.logits_chunk_size)
-    data = iter(train_reader)
-    progress = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                    disable=not (is_main and show_progress), dynamic_ncols=True)
-    peak_gflops = None
-    if device.type == "cpu":  # the ranks' matmul ceiling, measured together (as they train), summed over ranks
-        from mtp_train.runtime.hardware import measure_matmul_gflops
+    from mtp_train.train.losses import metric_means
+    from mtp_train.train.tracking import Tracker
+    from mtp_train.train.validation import validate
 
-        peak = torch.tensor([measure_matmul_gflops(precision.torch_dtype)], dtype=torch.float64)
-        dist.all_reduce(peak)
-        peak_gflops = float(peak.item())
+    run = setup(recipe)
+    start_step, resumed = resume_from_checkpoint(run, resume, force)
+    train = run.recipe.train
+    tracker = Tracker(run.run_dir, run.recipe, enabled=run.is_main, resume=resumed)
+    progress = tqdm(total=run.total_steps, initial=start_step, desc="train", unit="step",
+                    disable=not (run.is_main and show_progress), dynamic_ncols=True)
+    peak_gflops = _measure_peak_gflops(run)
     started = time.perf_counter()
-    tokens_seen = 0
-    flops_seen = 0.0
+    tokens_seen, flops_seen = 0, 0.0
     # Where a rank's training time goes (seconds): reading features, the unrolled losses (head forward, logits
     # chunks with their gradient), backward through the head, DeepSpeed's step, held-out validation, checkpoints.
     time_split = dict.fromkeys(("data", "forward", "backward", "step", "validation", "checkpoint"), 0.0)
-    last_validation: dict[str, float] = {}
+    last_validation: dict[str, float | int] = {}
+    data = iter(run.train_reader)
     step = start_step
-    engine.train()
-    while step < total_steps:
-        sums: dict[str, float] = {}
-        for _ in range(train.grad_accum):
-            t0 = time.perf_counter()
-            batch = next(data)
-            t1 = time.perf_counter()
-            loss, metrics = unrolled_losses(
-                engine, batch.input_ids.to(device), batch.hidden.to(device), batch.loss_mask.to(device),
-                batch.lengths, **loss_kwargs,
-                target_argmax=None if batch.target_argmax is None else batch.target_argmax.to(device),
-            )
-            t2 = time.perf_counter()
-            engine.backward(loss)
-            t3 = time.perf_counter()
-            engine.step()  # gradient reduction across ranks (at the accumulation boundary), clipping, AdamW
-            t4 = time.perf_counter()
-            for part, seconds in (("data", t1 - t0), ("forward", t2 - t1), ("backward", t3 - t2), ("step", t4 - t3)):
-                time_split[part] += seconds
-            tokens_seen += batch.num_tokens
-            flops_seen += metrics["flops"]
-            for k in range(1, train.unroll_steps + 1):
-                rows = metrics.get(f"step{k}/rows", 0)
-                sums[f"step{k}/rows"] = sums.get(f"step{k}/rows", 0) + rows
-                for name in _STEP_METRICS:
-                    if f"step{k}/{name}" in metrics:
-                        sums[f"step{k}/{name}"] = sums.get(f"step{k}/{name}", 0.0) + float(metrics[f"step{k}/{name}"]) * rows
-            sums["loss"] = sums.get("loss", 0.0) + float(metrics["loss"]) / train.grad_accum
-            sums["tokens"] = sums.get("tokens", 0) + batch.num_tokens
-        # Average over ranks (row-weighted for per-step metrics).
-        keys = sorted(sums)
-        reduced = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
-        dist.all_reduce(reduced)
-        totals = dict(zip(keys, reduced.tolist()))
+    run.engine.train()
+    while step < run.total_steps:
+        result = train_step(run, data)
         step += 1
+        for part, spent in result.seconds.items():
+            time_split[part] += spent
+        tokens_seen += result.tokens
+        flops_seen += result.flops
+        totals = result.totals
         if not math.isfinite(totals["loss"]):
-            path = save_checkpoint(step - 1, tag=f"nan-step-{step}")
+            path = save_checkpoint(run, step - 1, tag=f"nan-step-{step}")
             raise UserError(f"loss is {totals['loss']} at step {step}; stopped, state before it saved at {path} "
                             "(lower train.lr, raise train.warmup_steps, or check the features)")
-        row = {"loss": totals["loss"] / world_size, "lr": engine.get_lr()[0],
-               "tokens": int(totals["tokens"]), "epoch": train_reader.epoch}
-        for k in range(1, train.unroll_steps + 1):
-            rows = totals.get(f"step{k}/rows", 0)
-            for name in _STEP_METRICS:
-                if rows and f"step{k}/{name}" in totals:
-                    row[f"train/step{k}/{name}"] = totals[f"step{k}/{name}"] / rows
-        elapsed = time.perf_counter() - started
-        row["tokens_per_s"] = tokens_seen * world_size / max(elapsed, 1e-9)
-        if step % train.eval_every == 0 or step == total_steps:
+        row = {"loss": totals["loss"] / run.world_size, "lr": run.engine.get_lr()[0],
+               "tokens": int(totals["tokens"]), "epoch": run.train_reader.epoch}
+        row.update({f"train/{key}": value for key, value in metric_means(totals).items()
+                    if not key.endswith("/rows") and math.isfinite(value)})
+        row["tokens_per_s"] = tokens_seen * run.world_size / max(time.perf_counter() - started, 1e-9)
+        if step % train.eval_every == 0 or step == run.total_steps:
             t0 = time.perf_counter()
-            last_validation = validate(engine.module, eval_reader, loss_kwargs, device)
+            last_validation = validate(run.engine.module, run.eval_reader, run.loss_kwargs, run.device)
             time_split["validation"] += time.perf_counter() - t0
             row.update({f"val/{k}": v for k, v in last_validation.items()})
         tracker.log(step, row)
         progress.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row.get('train/step1/top1', 0):.3f}",
                              tok_s=f"{row['tokens_per_s']:.0f}")
         progress.update(1)
-        if step % train.save_every == 0 or step == total_steps:
+        if step % train.save_every == 0 or step == run.total_steps:
             t0 = time.perf_counter()
-            save_checkpoint(step)
+            save_checkpoint(run, step)
             time_split["checkpoint"] += time.perf_counter() - t0
     progress.close()
 
-    # ---- the head files ---------------------------------------------------------------------------------------
-    # Head files are stored in bf16 whatever the compute dtype was (engines serve heads in bf16; `export --dtype`
-    # changes it), so a head trained in fp32 on a CPU is the same size as one trained in bf16 on a GPU.
-    head_dir = run_dir / "head"
-    if train.zero_stage == 3:  # collective: every rank gathers, rank 0 writes
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-            if is_main:
-                save_head(engine.module, head_dir, dtype=HEAD_STORAGE_DTYPE)
-    elif is_main:
-        save_head(engine.module, head_dir, dtype=HEAD_STORAGE_DTYPE)
+    head_dir = save_head_files(run)
     train_seconds = time.perf_counter() - started
     total_flops = torch.tensor([flops_seen], dtype=torch.float64)
     dist.all_reduce(total_flops)
     gflops = float(total_flops.item()) / max(train_seconds, 1e-9) / 1e9
-    if is_main:
+    if run.is_main:
         speed = {"gflops": round(gflops, 2), "peak_gflops": None if peak_gflops is None else round(peak_gflops, 2),
                  "fraction_of_peak": None if peak_gflops is None else round(gflops / peak_gflops, 4)}
-        summary = {"steps": step, "tokens": tokens_seen * world_size, "train_seconds": train_seconds, **speed,
+        vocab_size = run.target.config.vocab_size
+        summary = {"steps": step, "tokens": tokens_seen * run.world_size, "train_seconds": train_seconds, **speed,
                    "time_split_rank0": {k: round(v, 1) for k, v in time_split.items()},
-                   "world_size": world_size, "head_dir": str(head_dir), "target_fingerprint": fingerprint,
-                   "compute_dtype": precision.dtype, "precision_reason": precision.reason,
-                   "draft_vocab_size": head_config.draft_vocab_size or target.config.vocab_size,
-                   "draft_vocab_coverage": draft_vocab_coverage if draft_vocab_coverage is not None else 1.0,
+                   "world_size": run.world_size, "head_dir": str(head_dir), "target_fingerprint": run.fingerprint,
+                   "compute_dtype": run.precision.dtype, "precision_reason": run.precision.reason,
+                   "draft_vocab_size": run.head_config.draft_vocab_size or vocab_size,
+                   "draft_vocab_coverage": 1.0 if run.draft_vocab_coverage is None else run.draft_vocab_coverage,
                    **{f"val/{k}": v for k, v in last_validation.items()}}
         tracker.finish(summary)
         print(f"train: {step} steps; head saved to {head_dir}; held-out step-1 top-1 "
               f"{last_validation.get('step1/top1', float('nan')):.4f}")
         if step > start_step:
-            fraction = (f" = {speed['fraction_of_peak']:.0%} of the ranks' measured {precision.dtype} matmul peak "
+            fraction = (f" = {speed['fraction_of_peak']:.0%} of the ranks' measured {run.precision.dtype} matmul peak "
                         f"({peak_gflops:.1f} GFLOP/s)" if peak_gflops else "")
             print(f"train: {(step - start_step)} steps in {train_seconds:.0f} s, {gflops:.1f} GFLOP/s in the head's "
                   f"matmuls{fraction}")
             print("train: rank 0's time: " + ", ".join(f"{k} {v:.0f} s" for k, v in time_split.items()))
     dist.barrier()
-    return run_dir
+    return run.run_dir

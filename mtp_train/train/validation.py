@@ -15,8 +15,10 @@ from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 
 
 @torch.no_grad()
-def validate(head, reader, loss_kwargs: dict, device: torch.device, page_size: int = 16) -> dict[str, float]:
-    from mtp_train.train.losses import step_losses, unrolled_losses
+def validate(head, reader, loss_kwargs: dict, device: torch.device, page_size: int = 16) -> dict[str, float | int]:
+    """`step{k}/<name>` means over the held-out split (train/losses.py STEP_METRICS, the same meaning as in
+    training) and `step{k}/rows`."""
+    from mtp_train.train.losses import add_sums, metric_means, metric_sums, step_losses, unrolled_losses
 
     was_training = head.training
     head.eval()
@@ -48,36 +50,12 @@ def validate(head, reader, loss_kwargs: dict, device: torch.device, page_size: i
         )
         for seq in sequences:
             seq.release(allocator)
-        _add(sums, 1, {name: getattr(step1, name) for name in _METRICS}, step1.rows)
+        add_sums(sums, metric_sums(step1.metrics(1)))
         # Steps 2..k from the unroll (training forward, no cache).
         if loss_kwargs.get("unroll_steps", 1) > 1:
             _, metrics = unrolled_losses(head, token_ids, hidden, loss_mask, batch.lengths, **loss_kwargs,
                                          target_argmax=target_argmax)
-            for k in range(2, loss_kwargs["unroll_steps"] + 1):
-                if f"step{k}/kl" in metrics:
-                    _add(sums, k, {name: metrics[f"step{k}/{name}"] for name in _METRICS}, metrics[f"step{k}/rows"])
+            later = {key: value for key, value in metrics.items() if key.startswith("step") and not key.startswith("step1/")}
+            add_sums(sums, metric_sums(later))
     head.train(was_training)
-    result: dict[str, float] = {}
-    for key, value in sums.items():
-        step, name = key.split("/")
-        if name in ("rows", "inside"):
-            if name == "rows":
-                result[key] = int(value)
-            continue
-        # The KL is a mean over the rows inside the draft vocabulary, everything else over all counted rows.
-        rows = sums[f"{step}/inside" if name == "kl" else f"{step}/rows"]
-        result[key] = value / rows if rows else float("nan")
-    return result
-
-
-_METRICS = ("feature", "kl", "top1", "top3", "alpha", "coverage")
-
-
-def _add(sums: dict[str, float], step: int, means: dict, rows: int) -> None:
-    """Accumulate one batch's per-step means as sums (the KL weighted by its inside-vocabulary row count)."""
-    inside = float(means["coverage"]) * rows
-    sums[f"step{step}/rows"] = sums.get(f"step{step}/rows", 0) + rows
-    sums[f"step{step}/inside"] = sums.get(f"step{step}/inside", 0.0) + inside
-    for name in _METRICS:
-        weight = inside if name == "kl" else rows
-        sums[f"step{step}/{name}"] = sums.get(f"step{step}/{name}", 0.0) + float(means[name]) * weight
+    return metric_means(sums)
