@@ -10,22 +10,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 
 from mtp_train.errors import UserError
 
 # Modules that register subcommands, in the order they appear in --help (stage order).
 STAGE_MODULES = [
-    "mtp_train.assets",
-    "mtp_train.generate_cli",
-    "mtp_train.data.prepare",
-    "mtp_train.features.cli",
-    "mtp_train.train.cli",
-    "mtp_train.evaluate.cli",
-    "mtp_train.evaluate.compare",
-    "mtp_train.export.cli",
-    "mtp_train.env_report",
+    "mtp_train.commands.fetch_assets",
+    "mtp_train.commands.generate",
+    "mtp_train.commands.prepare",
+    "mtp_train.commands.precompute",
+    "mtp_train.commands.verify_features",
+    "mtp_train.commands.draft_vocab",
+    "mtp_train.commands.train",
+    "mtp_train.commands.eval",
+    "mtp_train.commands.compare",
+    "mtp_train.commands.export",
+    "mtp_train.commands.inspect",
+    "mtp_train.commands.env",
 ]
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 from mtp_train.errors import UserError
+from mtp_train.fileio import file_sha256, read_json_object
 
 # Keys of config.json that describe the file, not the model.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures", "use_cache"}
@@ -19,13 +21,14 @@ _FULL_HASH_LIMIT = 2 << 30
 _SAMPLE_BYTES = 1 << 20
 
 
-def _hash_file(path: Path, hasher) -> None:
+def _hash_weights(path: Path, hasher: Any) -> None:
+    """Feed a weights file into `hasher`: all its bytes, or above `_FULL_HASH_LIMIT` its safetensors header, its
+    size and samples of its bytes."""
     size = path.stat().st_size
+    if size <= _FULL_HASH_LIMIT:
+        file_sha256(path, hasher)
+        return
     with path.open("rb") as stream:
-        if size <= _FULL_HASH_LIMIT:
-            for block in iter(lambda: stream.read(1 << 22), b""):
-                hasher.update(block)
-            return
         header_len = int.from_bytes(stream.read(8), "little")
         stream.seek(0)
         hasher.update(stream.read(8 + header_len))
@@ -43,17 +46,9 @@ def target_fingerprint(model_dir: str | Path) -> str:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise UserError(f"{config_path}: not found (expected a HF model directory)")
-    config = {k: v for k, v in json.loads(config_path.read_text()).items() if k not in _VOLATILE_CONFIG_KEYS}
+    config = {k: v for k, v in read_json_object(config_path).items() if k not in _VOLATILE_CONFIG_KEYS}
     hasher = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for weights in sorted(model_dir.glob("*.safetensors")):
         hasher.update(weights.name.encode() + b"\0")
-        _hash_file(weights, hasher)
+        _hash_weights(weights, hasher)
     return hasher.hexdigest()[:16]
-
-
-def file_sha256(path: str | Path) -> str:
-    hasher = hashlib.sha256()
-    with Path(path).open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 22), b""):
-            hasher.update(block)
-    return hasher.hexdigest()

@@ -287,9 +287,6 @@ class Recipe(_Section):
         return Path(self.train.run_dir)
 
 
-RECIPE_SECTIONS = tuple(name for name in Recipe.model_fields if name != "name")
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # YAML
 # --------------------------------------------------------------------------------------------------------------------
@@ -389,6 +386,18 @@ def _known_keys(loc: tuple[int | str, ...]) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
+# pydantic error types -> what was expected.
+_EXPECTED = {
+    **dict.fromkeys(("int_parsing", "int_type", "int_from_float"), "an integer"),
+    **dict.fromkeys(("float_parsing", "float_type"), "a number"),
+    **dict.fromkeys(("bool_parsing", "bool_type"), "true or false"),
+    "string_type": "a string",
+    "list_type": "a list",
+    **dict.fromkeys(("model_type", "model_attributes_type", "dict_type"), "a mapping of keys"),
+}
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+
+
 def _describe_error(error: dict[str, Any]) -> str:
     """One pydantic error → `path: what was expected, got what`."""
     loc = tuple(error["loc"])
@@ -400,24 +409,12 @@ def _describe_error(error: dict[str, Any]) -> str:
         message = "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else "")
     elif kind == "missing":
         message = "required key missing"
-    elif kind in ("int_parsing", "int_type", "int_from_float"):
-        message = f"expected an integer, got {given!r}"
-    elif kind in ("float_parsing", "float_type"):
-        message = f"expected a number, got {given!r}"
-    elif kind in ("bool_parsing", "bool_type"):
-        message = f"expected true or false, got {given!r}"
-    elif kind == "string_type":
-        message = f"expected a string, got {given!r}"
-    elif kind == "list_type":
-        message = f"expected a list, got {given!r}"
-    elif kind in ("model_type", "model_attributes_type", "dict_type"):
-        message = f"expected a mapping of keys, got {given!r}"
+    elif kind in _EXPECTED:
+        message = f"expected {_EXPECTED[kind]}, got {given!r}"
     elif kind == "literal_error":
         message = f"expected one of {ctx.get('expected')}, got {given!r}"
-    elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        operator = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
-        bound = next(iter(ctx.values()), "?")
-        message = f"expected a value {operator} {bound}, got {given!r}"
+    elif kind in _BOUNDS:
+        message = f"expected a value {_BOUNDS[kind]} {next(iter(ctx.values()), '?')}, got {given!r}"
     elif kind == "too_short":
         message = f"expected at least {ctx.get('min_length')} item(s), got {given!r}"
     elif kind == "value_error":
@@ -481,6 +478,21 @@ def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     """The recipe as plain JSON-compatible data (every default filled in)."""
     return recipe.model_dump(mode="json")
+
+
+def flatten_recipe(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a resolved recipe; lists of mappings (data.sources) are indexed, other lists are values."""
+    out: dict[str, Any] = {}
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            out.update(flatten_recipe(sub, f"{prefix}.{key}" if prefix else str(key)))
+    elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        for index, sub in enumerate(value):
+            out.update(flatten_recipe(sub, f"{prefix}.{index}"))
+        out[f"{prefix}.length"] = len(value)
+    else:
+        out[prefix] = value
+    return out
 
 
 def recipe_hash(recipe: Recipe, sections: Iterable[str] | None = None) -> str:

@@ -96,7 +96,7 @@ def main() -> None:
     step_seconds = {size: head_step_seconds(target, head, prompts[0].prompt_ids) for size, head in heads.items()}
     decode_seconds = target_step_seconds(target, prompts[0].prompt_ids, [1])[1]
     plain = totals["plain"]["all"]
-    plain_tps = plain.new_tokens / plain.seconds
+    plain_tps = plain.tokens_per_s
 
     print(f"\n{len(prompts)} held-out prompts, <= {args.new_tokens} new tokens, {precision.describe()}, batch 1, greedy; "
           f"{args.steps} training steps per head; plain decode {plain_tps:.1f} tok/s")

@@ -40,7 +40,7 @@ def main() -> None:
     from mtp_train.runtime.chat import encode_chat, stop_token_ids
     from mtp_train.runtime.generate import generate
     from mtp_train.runtime.loader import load_model, load_tokenizer
-    from mtp_train.runtime.speculative import PromptLookup, speculative_generate
+    from mtp_train.runtime.spec import PromptLookup, speculative_generate
     from step_costs import head_step_seconds, target_step_seconds
 
     target_dir = Path(args.target) if args.target else ensure_default_model()

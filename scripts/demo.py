@@ -177,7 +177,7 @@ def _markdown(summary: dict) -> str:
     if train.get("fraction_of_peak") is not None:
         lines.append(f"| training speed | {train['gflops']:.1f} GFLOP/s in {train['compute_dtype']} = "
                      f"{train['fraction_of_peak']:.0%} of the measured matmul peak ({train['peak_gflops']:.1f} GFLOP/s) |")
-    lines.append(f"| stage times | " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + " |")
+    lines.append("| stage times | " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + " |")
     decode = (f"{ev['dtype']}, decode weights {ev['decode_dtype']}" if ev.get("decode_dtype") not in (None, ev["dtype"])
               else ev.get("dtype"))
     lines += ["", f"Held-out prompts: {ev['num_prompts']} ({ev['prompts']}), ≤ {ev['max_new_tokens']} new tokens, "

@@ -1,9 +1,9 @@
 """Helpers for the data tests: tiny offline tokenizers, real chat templates, synthetic conversation files.
 
-Not a conftest (imported explicitly by the tests/test_data_*.py modules). No model hub is contacted: tokenizers are
-trained in memory with the `tokenizers` library in a few milliseconds, and the chat templates are the ones shipped
-with the real models (SmolLM2-Instruct, Llama-3-Instruct, Llama-3.1-Instruct without its tool-calling branches,
-Qwen2.5-Instruct, Mistral-7B-Instruct-v0.1).
+Not a conftest: a helper module, imported as `from tests.conftest_data import ...` (see tests/conftest.py). No model
+hub is contacted: tokenizers are trained in memory with the `tokenizers` library in a few milliseconds, and the chat
+templates are the ones shipped with the real models (SmolLM2-Instruct, Llama-3-Instruct, Llama-3.1-Instruct without
+its tool-calling branches, Qwen2.5-Instruct, Mistral-7B-Instruct-v0.1).
 """
 
 from __future__ import annotations

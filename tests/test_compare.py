@@ -18,18 +18,23 @@ DEFAULT_RECIPE = REPO_ROOT / "recipes" / "smollm2-135m-mtp.yaml"
 
 def _report(taus: dict[int, tuple[int, int, list[int], list[int]]], plain_seconds: float = 2.0,
             lookup: dict[int, tuple[int, int, list[int], list[int]]] | None = None, draft: str = "mtp") -> dict:
-    """An eval report in the real format, built by the real report code from counters.
+    """An eval report in the real format, built by the real report code from engine counters (one prompt).
     taus (the draft) and lookup (the prompt-lookup baseline): k -> (new_tokens, target_forwards,
     drafted_per_position, accepted_per_position); time = plain_seconds × forwards / 100."""
     from mtp_train.evaluate.report import build_report
     from mtp_train.evaluate.runner import MethodTotals
+    from mtp_train.runtime.spec import SpecStats
 
     totals = {"plain": {"all": MethodTotals()}}
-    totals["plain"]["all"].add(100, plain_seconds, 100)
+    totals["plain"]["all"].add(0, SpecStats("plain", 0, target_sequence_forwards=100, new_tokens=100), plain_seconds)
     for name, counts in ((draft, taus), ("lookup", lookup or {})):
         for k, (tokens, forwards, drafted, accepted) in counts.items():
             method = MethodTotals()
-            method.add(tokens, plain_seconds * forwards / 100, forwards, drafted, accepted, matched=True)
+            engine = SpecStats(name, k, target_sequence_forwards=forwards, verify_sequence_steps=forwards - 1,
+                               new_tokens=tokens, prefill_tokens=1, drafted_tokens=sum(drafted),
+                               accepted_tokens=sum(accepted), drafted_per_position=drafted,
+                               accepted_per_position=accepted)
+            method.add(0, engine, plain_seconds * forwards / 100, matched=True)
             totals[f"{name}@k={k}"] = {"all": method}
     meta = {"name": "x", "target": "t", "draft": "d", "draft_kind": f"head ({draft})", "draft_method": draft,
             "prompts": "p.jsonl", "num_prompts": 2, "skipped": [], "settings": {}}
@@ -110,6 +115,9 @@ def test_compare_two_runs(two_runs: tuple[Path, Path], tmp_path: Path, capsys) -
     assert ev["by_k"]["3"]["alpha"] == pytest.approx(60 / 117, abs=1e-4)
     assert ev["by_k"]["3"]["acceptance_per_position"] == pytest.approx([30 / 39, 20 / 39, 10 / 39], abs=1e-4)
     assert ev["best"]["method"] == "mtp@k=3" and ev["best"]["speedup"] == pytest.approx(2.5)
+    # Mean acceptance length (tokens per verify, prefill left out) and the per-prompt speedups (one prompt here).
+    assert ev["by_k"]["3"]["mean_acceptance_length"] == pytest.approx(99 / 39, abs=1e-4)
+    assert ev["best"]["speedup_median"] == ev["best"]["speedup_p25"] == ev["best"]["speedup_p75"] == pytest.approx(2.5)
     # The prompt-lookup baseline is kept apart, never mistaken for the head (it has the higher τ at every k here).
     assert ev["draft_method"] == "mtp" and ev["by_k"]["1"]["method"] == "mtp@k=1"
     assert ev["baselines"]["lookup"]["3"]["tau"] == pytest.approx(100 / 35, abs=1e-4)
@@ -123,6 +131,8 @@ def test_compare_two_runs(two_runs: tuple[Path, Path], tmp_path: Path, capsys) -
     markdown = (out / "compare.md").read_text()
     assert "| recipe: head.kind | mtp | eagle1 |" in markdown
     assert "| eval best speedup | 2.50× | — |" in markdown
+    assert "| eval mean acceptance length @k=3 | 2.5385 | — |" in markdown
+    assert "| eval best speedup per prompt: median [p25, p75] | 2.50× [2.50×, 2.50×] | — |" in markdown
     assert "| baseline lookup: best speedup | 2.86× (lookup@k=3, τ 2.8571) | — |" in markdown
     for name in ("loss_curves.png", "val_top1_by_step.png", "acceptance_by_position.png"):
         path = out / name
@@ -219,10 +229,11 @@ def test_flatten_indexes_lists_of_mappings() -> None:
 
 def test_cli_subcommand(two_runs: tuple[Path, Path], tmp_path: Path, capsys) -> None:
     from mtp_train.cli import main
+    from mtp_train.commands import compare as compare_command
 
     parser = argparse.ArgumentParser(prog="mtp-train")
     subparsers = parser.add_subparsers(dest="command")
-    compare.register(subparsers)
+    compare_command.register(subparsers)
     out = tmp_path / "cli-out"
     args = parser.parse_args(["compare", *map(str, two_runs), "--out", str(out)])
     assert args.func(args) == 0
@@ -231,10 +242,6 @@ def test_cli_subcommand(two_runs: tuple[Path, Path], tmp_path: Path, capsys) -> 
     # Default output directory.
     args = parser.parse_args(["compare", str(two_runs[0])])
     assert args.out == "runs/compare"
-    # Through the real entry point once `compare` is registered there: a bad dir exits 2 with a one-line error.
-    try:
-        code = main(["compare", str(tmp_path / "nope"), "--out", str(out)])
-    except SystemExit:  # `compare` not registered in mtp_train.cli yet
-        pytest.skip("compare is not registered in mtp_train.cli.STAGE_MODULES yet")
-    assert code == 2
+    # Through the real entry point: a bad dir exits 2 with a one-line error.
+    assert main(["compare", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "nope: run directory not found" in capsys.readouterr().err

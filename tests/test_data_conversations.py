@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest_data import sharegpt_row, write_jsonl  # noqa: E402
-
-from mtp_train.data import conversations as conversations_module  # noqa: E402
-from mtp_train.data.conversations import (  # noqa: E402
+from mtp_train.data import json_array
+from mtp_train.data.conversations import (
     Conversation,
     RowSkipped,
     SourceStats,
@@ -20,7 +17,8 @@ from mtp_train.data.conversations import (  # noqa: E402
     normalize_for_training,
     read_conversations,
 )
-from mtp_train.errors import UserError  # noqa: E402
+from mtp_train.errors import UserError
+from tests.conftest_data import sharegpt_row, write_jsonl
 
 SHARED_MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench.jsonl"
 
@@ -164,7 +162,7 @@ def test_json_array_truncated_tail_and_malformed_record(tmp_path: Path) -> None:
 
 
 def test_json_array_is_streamed_in_chunks_with_correct_line_numbers(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(conversations_module, "_JSON_CHUNK_CHARS", 7)  # records straddle many chunk boundaries
+    monkeypatch.setattr(json_array, "CHUNK_CHARS", 7)  # records straddle many chunk boundaries
     rows = [sharegpt_row(f"id{i}", ("human", "question " * i), ("gpt", "answer\n" * i)) for i in range(6)]
     path = tmp_path / "chunked.json"
     path.write_text("[\n" + ",\n".join(json.dumps(row) for row in rows) + "\n]\n", encoding="utf-8")
@@ -173,6 +171,25 @@ def test_json_array_is_streamed_in_chunks_with_correct_line_numbers(tmp_path: Pa
     assert [c.origin for c in conversations] == [f"{path}:{line}" for line in range(2, 8)]
     assert conversations[5].messages[1]["content"] == "answer\n" * 5
     assert not stats.skipped
+
+
+@pytest.mark.parametrize("chunk_chars", [None, 5, 1 << 22])
+def test_json_array_reader_from_string_or_chunks(monkeypatch, chunk_chars: int | None) -> None:
+    text = '[\n {"a": 1},\n {"a": tru},\n 12345,\n "x y" {"b": "cut off'
+    if chunk_chars is not None:
+        monkeypatch.setattr(json_array, "CHUNK_CHARS", chunk_chars)  # 5: numbers and strings straddle chunks
+    reader = json_array.JsonArrayReader(text if chunk_chars is None else io.StringIO(text))
+    assert [(e.index, e.line, e.column, e.value, e.problem) for e in reader] == [
+        (0, 2, 2, {"a": 1}, ""),
+        (1, 3, 2, None, "invalid"),
+        (2, 4, 2, 12345, ""),
+        (3, 5, 2, "x y", ""),
+        (4, 5, 8, None, "separator"),
+        (4, 5, 8, None, "cut_off"),
+    ]
+    assert reader.truncated and not reader.closed and reader.tail_chars == len('{"b": "cut off')
+    closed = json_array.JsonArrayReader('\ufeff[1, 2,]')
+    assert [e.value for e in closed] == [1, 2] and closed.closed and not closed.truncated
 
 
 def test_hf_dataset_directory_dataset_dict_and_parquet(tmp_path: Path) -> None:

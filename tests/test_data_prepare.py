@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest_data import (  # noqa: E402
+from mtp_train.commands.prepare import register
+from mtp_train.data.prepare import prepare_dataset
+from mtp_train.data.prepared import (
+    eval_split_of,
+    load_prepared,
+    prompt_before_first_reply,
+    tokenizer_hash,
+)
+from mtp_train.data.templating import masked_runs
+from mtp_train.errors import UserError
+from mtp_train.recipe import load_recipe
+from tests.conftest_data import (
     CHATML_SPECIAL_TOKENS,
     SMOLLM2_CHATML_TEMPLATE,
     build_tokenizer,
@@ -18,17 +27,6 @@ from conftest_data import (  # noqa: E402
     write_jsonl,
     write_target_dir,
 )
-
-from mtp_train.data.prepare import prepare_dataset, register  # noqa: E402
-from mtp_train.data.prepared import (  # noqa: E402
-    eval_split_of,
-    load_prepared,
-    prompt_before_first_reply,
-    tokenizer_hash,
-)
-from mtp_train.data.templating import masked_runs  # noqa: E402
-from mtp_train.errors import UserError  # noqa: E402
-from mtp_train.recipe import load_recipe  # noqa: E402
 
 NUM_GOOD_SHAREGPT = 30
 

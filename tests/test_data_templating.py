@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest_data import (  # noqa: E402
+from mtp_train.data.conversations import RowSkipped
+from mtp_train.data.templating import AssistantMaskRenderer, load_chat_tokenizer, masked_runs
+from mtp_train.errors import UserError
+from tests.conftest_data import (
     CHATML_SPECIAL_TOKENS,
     SMOLLM2_CHATML_TEMPLATE,
     TEMPLATE_FAMILIES,
@@ -16,10 +17,6 @@ from conftest_data import (  # noqa: E402
     build_tokenizer,
     write_target_dir,
 )
-
-from mtp_train.data.conversations import RowSkipped  # noqa: E402
-from mtp_train.data.templating import AssistantMaskRenderer, load_chat_tokenizer, masked_runs  # noqa: E402
-from mtp_train.errors import UserError  # noqa: E402
 
 SMOLLM2_DIR = Path(__file__).resolve().parents[1] / "data" / "models" / "smollm2-135m-instruct"
 
@@ -203,6 +200,7 @@ def test_missing_chat_template_says_how_to_supply_one(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not (SMOLLM2_DIR / "tokenizer.json").is_file(), reason="SmolLM2 not fetched (make assets)")
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_real_smollm2_tokenizer_masks_replies_exactly() -> None:
     tokenizer = load_chat_tokenizer(SMOLLM2_DIR)

@@ -22,19 +22,17 @@ from mtp_train.heads.vocab import (
 )
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.sampler import SamplingParams
-from mtp_train.runtime.speculative import speculative_generate
+from mtp_train.runtime.spec import speculative_generate
 from mtp_train.train.losses import distill_sums, unrolled_losses
-from tests.test_rejection import P_VALUE_THRESHOLD, chi2_p_value
-from tests.test_speculative import (  # noqa: F401 - fixtures
+from tests.sampling_stats import P_VALUE_THRESHOLD, chi2_p_value
+from tests.spec_helpers import (
     LOSSLESS_PROMPT,
     LOSSLESS_SAMPLES,
     SMALL_VOCAB,
     VOCAB,
     exact_first_three_tokens,
     make_prompts,
-    models,
     run_and_compare,
-    small_vocab_target,
 )
 
 
@@ -234,7 +232,7 @@ def test_greedy_mtp_chain_with_reduced_vocab_matches_generate(models, k):
 def test_drafts_are_target_ids_from_the_draft_vocabulary(models, monkeypatch):
     """A head whose draft vocabulary holds only odd target ids feeds only odd ids back into its chain (the drafted
     tokens, mapped through d2t), and the output is still plain greedy's."""
-    from mtp_train.runtime.speculative import MTPChainProposer
+    from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
 
     fed_back: list[int] = []
     original = MTPChainProposer.draft_step
@@ -249,6 +247,7 @@ def test_drafts_are_target_ids_from_the_draft_vocabulary(models, monkeypatch):
     assert fed_back and all(token % 2 == 1 for token in fed_back)
 
 
+@pytest.mark.slow  # 2,000 sequences per χ² test: 3-4 s each
 @pytest.mark.parametrize(
     "k, sampling",
     [(2, SamplingParams(temperature=1.0)), (1, SamplingParams(temperature=0.8, top_p=0.9))],
@@ -338,6 +337,7 @@ def test_counts_from_data_and_target(tiny_features):
     assert (features_dir / "draft_vocab" / "data-counts.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_draft_vocab_cli_and_training_with_a_reduced_vocab(tiny_features, capsys):
     from mtp_train.cli import main
     from mtp_train.runtime.loader import load_model

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.evaluate.cli import evaluate
+from mtp_train.commands.eval import run_evaluation as evaluate
 from mtp_train.evaluate.prompts import load_mt_bench
 from mtp_train.heads import DraftHead, HeadConfig, save_head
-from mtp_train.recipe import load_recipe
 from mtp_train.runtime.loader import load_model
 from tests.pipeline_fixtures import tiny_pipeline
 
@@ -53,6 +52,9 @@ def test_eval_report_on_mt_bench_prompts(setup):
         assert r["turns"] == 3  # 2 turns + 1 turn
         assert 1.0 <= r["tau"] <= int(method[-1]) + 1
         assert len(r["acceptance_per_position"]) == int(method[-1]) and "speedup" in r
+        assert 1.0 <= r["mean_acceptance_length"] <= int(method[-1]) + 1  # tokens per verify
+        assert r["speedup_p25"] <= r["speedup_median"] <= r["speedup_p75"]
+    assert "mean_acceptance_length" not in overall["plain"] and "speedup" not in overall["plain"]
     assert set(report["per_category"]) == {"writing", "coding"}
     for name in ("report.json", "report.md", "acceptance_by_position.png", "tau_by_category.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0
@@ -83,3 +85,31 @@ def test_divergence_gap_reads_the_targets_logits_at_the_first_difference(setup):
     logits = target(torch.tensor(prompt + plain[:2]), BatchInfo.without_cache([5])).logits[-1]
     assert divergence_gap(target, prompt, plain, other) == pytest.approx(abs(float(logits[9] - logits[11])))
     assert divergence_gap(target, prompt, plain, plain[:2]) is None
+
+
+def test_report_gives_per_prompt_speedup_quartiles_and_mean_acceptance_length(tmp_path):
+    """Four prompts whose method ÷ plain tok/s are 3, 1, 4, 2: median 2.5 and quartiles 1.75 / 3.25 (linear
+    interpolation), beside the ratio of the totals' tokens/s. The mean acceptance length is the committed tokens per
+    verify (the prefill's token left out), summed over the calls; τ counts the prefill's forward and token."""
+    from mtp_train.evaluate.report import build_report, write_markdown
+    from mtp_train.evaluate.runner import MethodTotals
+    from mtp_train.runtime.spec import SpecStats
+
+    plain, mtp = MethodTotals(), MethodTotals()
+    for prompt, (ratio, verifies) in enumerate([(3, 3), (1, 9), (4, 3), (2, 3)]):
+        plain.add(prompt, SpecStats("plain", 0, target_sequence_forwards=10, new_tokens=10), seconds=1.0)
+        engine = SpecStats("mtp_chain", 2, target_sequence_forwards=1 + verifies, verify_sequence_steps=verifies,
+                           new_tokens=10, prefill_tokens=1)
+        mtp.add(prompt, engine, seconds=1.0 / ratio)
+    meta = {"name": "x", "target": "t", "draft": "d", "draft_kind": "head (mtp)", "prompts": "p", "num_prompts": 4,
+            "skipped": [], "settings": {}}
+    report = build_report({"plain": {"all": plain}, "mtp@k=2": {"all": mtp}}, meta)
+    r = report["overall"]["mtp@k=2"]
+    assert (r["speedup_median"], r["speedup_p25"], r["speedup_p75"]) == (2.5, 1.75, 3.25)
+    assert r["speedup"] == round((40 / (1 / 3 + 1 + 1 / 4 + 1 / 2)) / 10, 4)  # the ratio of totals: 1.92
+    assert r["mean_acceptance_length"] == (4 * 9) / (3 + 9 + 3 + 3) == 2.0
+    assert r["tau"] == round(40 / (4 + 18), 4)
+    assert list(r)[list(r).index("tau") + 1] == "mean_acceptance_length"  # next to τ
+    write_markdown(report, tmp_path / "report.md")
+    row = "| mtp@k=2 | 1.818 | 2.000 | 0.000 | 0.00, 0.00 | 19.2 | 1.92× | 2.50× [1.75, 3.25] |"
+    assert row in (tmp_path / "report.md").read_text()

@@ -3,7 +3,6 @@ SmolLM2 head."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -11,60 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from mtp_train.errors import UserError
 from mtp_train.export import export_head, inspect_dir, load_any_head
 from mtp_train.heads import DraftHead, HeadConfig, save_head
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.loader import load_model
-from tests.conftest import save_tiny_model
+from tests.export_helpers import EXPECTED, draft_logits, edited_copy, prefixed, read_config, run_cli
+from tests.tiny_models import save_tiny_model
 
-# ---- the tiny target: d=64, 4 heads x 16, 2 kv heads, intermediate 112, vocab 96, 2 layers ----------------------------
+# The tiny target is the `target`/`target_dir` fixture of tests/conftest.py; EXPECTED, its exports' layouts, is in
+# tests/export_helpers.py.
 
-BLOCK = {  # one decoder layer of the tiny Llama, without input_layernorm
-    "self_attn.q_proj.weight": (64, 64),
-    "self_attn.k_proj.weight": (32, 64),
-    "self_attn.v_proj.weight": (32, 64),
-    "self_attn.o_proj.weight": (64, 64),
-    "post_attention_layernorm.weight": (64,),
-    "mlp.gate_proj.weight": (112, 64),
-    "mlp.up_proj.weight": (112, 64),
-    "mlp.down_proj.weight": (64, 112),
-}
-
-
-def _prefixed(prefix: str, block: dict) -> dict:
-    return {prefix + k: v for k, v in block.items()}
-
-
-EXPECTED = {
-    ("native", "mtp"): {
-        "enorm.weight": (64,),
-        "hnorm.weight": (64,),
-        "eh_proj.weight": (64, 128),
-        "layers.0.input_layernorm.weight": (64,),
-        **_prefixed("layers.0.", BLOCK),
-        "norm.weight": (64,),
-    },
-    ("native", "eagle1"): {"fc.weight": (64, 128), "fc.bias": (64,), **_prefixed("layers.0.", BLOCK)},
-    ("deepseek-mtp", "mtp"): {
-        "model.layers.2.embed_tokens.weight": (96, 64),
-        "model.layers.2.enorm.weight": (64,),
-        "model.layers.2.hnorm.weight": (64,),
-        "model.layers.2.eh_proj.weight": (64, 128),
-        "model.layers.2.input_layernorm.weight": (64,),
-        **_prefixed("model.layers.2.", BLOCK),
-        "model.layers.2.shared_head.norm.weight": (64,),
-        "model.layers.2.shared_head.head.weight": (96, 64),
-    },
-    ("eagle", "eagle1"): {"fc.weight": (64, 128), "fc.bias": (64,), **_prefixed("layers.0.", BLOCK)},
-    ("speculators", "eagle1"): {
-        "fusion_fc.weight": (64, 128),
-        "fusion_fc.bias": (64,),
-        **_prefixed("transformer.", BLOCK),
-    },
-}
 REPRESENTABLE = sorted(EXPECTED)
 
 # Config fields each format must carry, with the values pinned where they are fixed.
@@ -124,16 +82,6 @@ REQUIRED_CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("target"), "llama", seed=3)
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return load_model(target_dir, dtype="float32", device="cpu")
-
-
 def make_head(target, kind: str, num_layers: int = 1, dtype=torch.float32) -> DraftHead:
     """A random-init head whose norms and biases are perturbed away from 1/0, so a mix-up shows."""
     torch.manual_seed(0)
@@ -164,21 +112,8 @@ def exports(head_dirs, target_dir, tmp_path_factory):
     }
 
 
-def read_config(directory: Path) -> dict:
-    return json.loads((directory / "config.json").read_text())
-
-
 def tensor_shapes(directory: Path) -> dict:
     return {k: tuple(v.shape) for k, v in load_file(directory / "model.safetensors").items()}
-
-
-def draft_logits(head: DraftHead, seed: int = 1) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = [7, 5]
-    tokens = torch.randint(0, 96, (sum(lengths),), generator=gen)
-    hidden = torch.randn(sum(lengths), 64, generator=gen)
-    with torch.no_grad():
-        return head.logits(head(tokens, hidden, BatchInfo.without_cache(lengths)))
 
 
 # ---- exact layouts ------------------------------------------------------------------------------------------------
@@ -286,6 +221,18 @@ def test_two_layer_eagle_head_round_trips_through_eagle(target, target_dir, tmp_
         export_head(tmp_path / "head", "speculators", tmp_path / "spec", target_dir)
 
 
+
+def test_qwen2_eagle_head_round_trips(tmp_path):
+    """An engine config keeps the target's whole-model fields (Qwen2's `layer_types`, one per target layer) next to
+    num_hidden_layers = the head's layers; reading the layer shape back parses only the fields that shape a layer."""
+    qwen_dir = save_tiny_model(tmp_path / "qwen2", "qwen2")
+    qwen = load_model(qwen_dir, dtype="float32", device="cpu")
+    save_head(make_head(qwen, "eagle1"), tmp_path / "head")
+    out = export_head(tmp_path / "head", "eagle", tmp_path / "out", qwen_dir)
+    assert read_config(out)["architectures"] == ["Qwen2ForCausalLMEagle"]
+    assert inspect_dir(out, qwen).ok
+    assert torch.equal(draft_logits(load_any_head(out, qwen)), draft_logits(make_head(qwen, "eagle1")))
+
 def test_export_dtype_conversion(head_dirs, target_dir, tmp_path):
     out = export_head(head_dirs["mtp"], "native", tmp_path / "out", target_dir, dtype="bfloat16")
     assert {v.dtype for v in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
@@ -295,19 +242,6 @@ def test_export_dtype_conversion(head_dirs, target_dir, tmp_path):
 
 
 # ---- inspect ------------------------------------------------------------------------------------------------------
-
-
-def _variant(src: Path, dst: Path, tensors=None, config_edit=None) -> Path:
-    import shutil
-
-    shutil.copytree(src, dst)
-    if tensors is not None:
-        save_file(tensors(load_file(src / "model.safetensors")), dst / "model.safetensors")
-    if config_edit is not None:
-        config = read_config(src)
-        config_edit(config)
-        (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 @pytest.mark.parametrize("fmt,kind", REPRESENTABLE)
@@ -384,7 +318,7 @@ BROKEN = [
 @pytest.mark.parametrize("case", range(len(BROKEN)))
 def test_inspect_names_every_problem(exports, target, tmp_path, case, capsys):
     fmt, kind, tensors, config_edit, pattern = BROKEN[case]
-    broken = _variant(exports[(fmt, kind)], tmp_path / "broken", tensors, config_edit)
+    broken = edited_copy(exports[(fmt, kind)], tmp_path / "broken", tensors, config_edit)
     report = inspect_dir(broken)
     assert not report.ok
     assert any(re.search(pattern, p) for p in report.problems), report.problems
@@ -507,27 +441,12 @@ def test_deepseek_frozen_tensors_must_match_the_target(exports, target, tmp_path
         t["model.layers.2.embed_tokens.weight"] = t["model.layers.2.embed_tokens.weight"] + 1
         return t
 
-    broken = _variant(exports[("deepseek-mtp", "mtp")], tmp_path / "b", edit)
+    broken = edited_copy(exports[("deepseek-mtp", "mtp")], tmp_path / "b", edit)
     with pytest.raises(UserError, match="stored embed_tokens differs from the target's"):
         load_any_head(broken, target)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------------------
-
-
-def run_cli(argv: list[str]) -> int:
-    """`mtp-train` with the export subcommands registered (whether or not cli.py lists the module yet)."""
-    from mtp_train import cli
-
-    modules = list(cli.STAGE_MODULES)
-    if "mtp_train.export.cli" not in modules:
-        modules.append("mtp_train.export.cli")
-    original = cli.STAGE_MODULES
-    cli.STAGE_MODULES = modules
-    try:
-        return cli.main(argv)
-    finally:
-        cli.STAGE_MODULES = original
 
 
 def test_cli_export(head_dirs, target_dir, tmp_path, capsys):
@@ -540,17 +459,6 @@ def test_cli_export(head_dirs, target_dir, tmp_path, capsys):
     assert run_cli(argv) == 2  # not empty now
     assert "--overwrite" in capsys.readouterr().err
     assert run_cli(argv + ["--overwrite"]) == 0
-
-
-def test_register_adds_both_subcommands():
-    from mtp_train.export.cli import register
-
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["inspect", "d", "--target", "t"])
-    assert args.func.__name__ == "run_inspect" and args.target == "t"
-    args = parser.parse_args(["export", "--head", "h", "--format", "eagle", "--out", "o"])
-    assert args.func.__name__ == "run_export" and args.dtype is None and not args.overwrite
 
 
 # ---- the real SmolLM2 ---------------------------------------------------------------------------------------------
@@ -567,6 +475,7 @@ SMOL_BLOCK = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_smollm2_last_layer_mtp_head_exports(smollm2_dir, tmp_path):
     target = load_model(smollm2_dir, dtype="bfloat16", device="cpu")
@@ -581,7 +490,7 @@ def test_smollm2_last_layer_mtp_head_exports(smollm2_dir, tmp_path):
         "hnorm.weight": (576,),
         "eh_proj.weight": (576, 1152),
         "layers.0.input_layernorm.weight": (576,),
-        **_prefixed("layers.0.", SMOL_BLOCK),
+        **prefixed("layers.0.", SMOL_BLOCK),
         "norm.weight": (576,),
     }
     assert read_config(native)["layer_ids"] == [30]
@@ -593,7 +502,7 @@ def test_smollm2_last_layer_mtp_head_exports(smollm2_dir, tmp_path):
         "model.layers.30.hnorm.weight": (576,),
         "model.layers.30.eh_proj.weight": (576, 1152),
         "model.layers.30.input_layernorm.weight": (576,),
-        **_prefixed("model.layers.30.", SMOL_BLOCK),
+        **prefixed("model.layers.30.", SMOL_BLOCK),
         "model.layers.30.shared_head.norm.weight": (576,),
         "model.layers.30.shared_head.head.weight": (49152, 576),
     }
@@ -617,18 +526,19 @@ def test_smollm2_last_layer_mtp_head_exports(smollm2_dir, tmp_path):
             assert torch.equal(loaded.logits(loaded(tokens, hidden, batch)), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_smollm2_eagle_head_exports(smollm2_dir, tmp_path):
     target = load_model(smollm2_dir, dtype="bfloat16", device="cpu")
     config = HeadConfig.for_target(target.config, target.fingerprint, kind="eagle1", init="last_layer")
     save_head(DraftHead.from_target(target, config), tmp_path / "head")
     eagle = export_head(tmp_path / "head", "eagle", tmp_path / "eagle", smollm2_dir)
-    assert tensor_shapes(eagle) == {"fc.weight": (576, 1152), "fc.bias": (576,), **_prefixed("layers.0.", SMOL_BLOCK)}
+    assert tensor_shapes(eagle) == {"fc.weight": (576, 1152), "fc.bias": (576,), **prefixed("layers.0.", SMOL_BLOCK)}
     spec = export_head(tmp_path / "head", "speculators", tmp_path / "spec", smollm2_dir)
     assert tensor_shapes(spec) == {
         "fusion_fc.weight": (576, 1152),
         "fusion_fc.bias": (576,),
-        **_prefixed("transformer.", SMOL_BLOCK),
+        **prefixed("transformer.", SMOL_BLOCK),
     }
     assert read_config(spec)["transformer_layer_config"]["rope_theta"] == 100000.0
     with pytest.raises(UserError, match="fc.bias would be lost"):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from mtp_train.errors import UserError
 from mtp_train.export import export_head, inspect_dir, load_any_head
 from mtp_train.heads import DraftHead, HeadConfig, load_head, save_head
-from tests.test_export import EXPECTED, draft_logits, run_cli, target, target_dir  # noqa: F401 - fixtures
+from tests.export_helpers import EXPECTED, draft_logits, edited_copy, read_config, run_cli
 
 V = 96  # the tiny target's vocabulary
 DRAFT_IDS = torch.tensor([0, 1, 2, 5, 9, 17, 40, 41, 63, 80, 94, 95])  # both ends of the vocabulary, gaps and runs
@@ -57,10 +57,6 @@ def head_dirs(heads, tmp_path_factory):
 def exports(head_dirs, target_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("exports")
     return {(fmt, kind): export_head(head_dirs[kind], fmt, root / f"{fmt}-{kind}", target_dir) for fmt, kind in CARRIED}
-
-
-def read_config(directory: Path) -> dict:
-    return json.loads((directory / "config.json").read_text())
 
 
 def layout(directory: Path) -> dict:
@@ -249,19 +245,6 @@ def test_inconsistent_head_file_is_refused_at_export(head_dirs, target_dir, tmp_
 # ---- inspect ------------------------------------------------------------------------------------------------------
 
 
-def _variant(src: Path, dst: Path, tensors=None, config_edit=None, files=None) -> Path:
-    shutil.copytree(src, dst)
-    if tensors is not None:
-        save_file(tensors(load_file(src / "model.safetensors")), dst / "model.safetensors")
-    if config_edit is not None:
-        config = read_config(src)
-        config_edit(config)
-        (dst / "config.json").write_text(json.dumps(config))
-    if files is not None:
-        files(dst)
-    return dst
-
-
 def _edit(name, fn):
     def edit(tensors):
         tensors = dict(tensors)
@@ -329,7 +312,7 @@ BROKEN = [
 @pytest.mark.parametrize("case", range(len(BROKEN)))
 def test_inspect_names_every_draft_vocab_problem(exports, target, tmp_path, case, capsys):
     fmt, kind, tensors, config_edit, files, pattern = BROKEN[case]
-    broken = _variant(exports[(fmt, kind)], tmp_path / "broken", tensors, config_edit, files)
+    broken = edited_copy(exports[(fmt, kind)], tmp_path / "broken", tensors, config_edit, files)
     report = inspect_dir(broken)
     assert report.format == fmt and not report.ok
     assert any(re.search(pattern, p) for p in report.problems), report.problems
@@ -371,7 +354,7 @@ def test_formats_without_a_draft_vocabulary_reject_a_declared_one(full_exports, 
         config["draft_vocab_size"] = N
         config["mtp_train"]["head_config"]["draft_vocab_size"] = N
 
-    broken = _variant(full_exports[fmt], tmp_path / "broken", config_edit=claim)
+    broken = edited_copy(full_exports[fmt], tmp_path / "broken", config_edit=claim)
     report = inspect_dir(broken)
     pattern = (
         rf"draft_vocab_size=12, mtp_train\.head_config\.draft_vocab_size=12, but format {fmt} cannot carry a reduced "
@@ -383,7 +366,7 @@ def test_formats_without_a_draft_vocabulary_reject_a_declared_one(full_exports, 
 
 
 def test_eagle_token_map_without_a_declared_vocabulary(full_exports, target, tmp_path):
-    broken = _variant(full_exports["eagle"], tmp_path / "broken", files=_token_map(DRAFT_IDS.tolist()))
+    broken = edited_copy(full_exports["eagle"], tmp_path / "broken", files=_token_map(DRAFT_IDS.tolist()))
     report = inspect_dir(broken)
     assert any("a token map, but" in p and "declares no draft_vocab_size" in p for p in report.problems), report.problems
     with pytest.raises(UserError, match="SGLang would restrict the head to it"):

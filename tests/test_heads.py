@@ -14,7 +14,7 @@ from mtp_train.heads import DraftHead, HeadConfig, load_head, read_head_config, 
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model
-from tests.conftest import save_tiny_model
+from tests.tiny_models import save_tiny_model
 
 LAYER_KEYS = [
     "self_attn.q_proj.weight",
@@ -28,13 +28,9 @@ LAYER_KEYS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama", seed=3)
-
-
 @pytest.fixture
 def target(target_dir):
+    """A fresh copy of the tiny Llama (conftest's `target_dir`) per test: tests here change it (requires_grad_)."""
     return load_model(target_dir, dtype="float32", device="cpu")
 
 
@@ -176,6 +172,25 @@ def test_load_errors_name_the_problem(target, target_dir, tmp_path):
     with pytest.raises(UserError, match="hidden_size=64 but the target has hidden_size=48"):
         load_head(tmp_path / "good", other)
 
+
+
+def test_one_target_check(target):
+    """`target_mismatches`, the check every loader, export and inspect use: only recorded facts are compared, an
+    unknown fingerprint on either side is not, and each mismatch names the file, the key path and both values."""
+    from mtp_train.heads.io import target_mismatches
+
+    config, fingerprint = target.config, target.fingerprint
+    good = {"hidden_size": 64, "vocab_size": 96, "model_type": "llama", "target_fingerprint": fingerprint}
+    assert target_mismatches(good, config, fingerprint, "f.json") == []
+    assert target_mismatches({"hidden_size": 64}, config, None, "f.json") == []
+    assert target_mismatches({**good, "target_fingerprint": None}, config, fingerprint, "f.json") == []
+    bad = {"hidden_size": 48, "vocab_size": 96, "model_type": "qwen2", "target_fingerprint": "aaa"}
+    assert target_mismatches(bad, config, fingerprint, "f.json", "block.") == [
+        "f.json: block.hidden_size=48 but the target has hidden_size=64",
+        "f.json: block.model_type='qwen2' but the target has model_type='llama'",
+        f"f.json: block.target_fingerprint 'aaa' does not match the target's {fingerprint!r} (the head was trained "
+        "for a different target)",
+    ]
 
 ARCHS = {
     "llama": dict(model_type="llama"),

@@ -140,11 +140,12 @@ def test_decode_weights_serve_small_row_calls_only():
     torch.testing.assert_close(small, expected_small.float())  # few rows: the bf16 copies
 
 
+@pytest.mark.slow
 def test_env_command_prints_the_facts(capsys):
     """`mtp-train env`: versions, CPU and flags, torch's capability and BLAS build, threads, CUDA, what auto picks
     and why, and the two measured ceilings."""
     from mtp_train.cli import main
-    from mtp_train.env_report import collect_env
+    from mtp_train.runtime.environment import collect_env
 
     env = collect_env(measure=True)
     assert env["packages"]["torch"] == torch.__version__

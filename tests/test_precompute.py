@@ -18,7 +18,7 @@ from mtp_train.errors import UserError
 from mtp_train.features.format import decode_hidden, encode_hidden, load_manifest
 from mtp_train.features.precompute import pack_batches, plan_rank_shards, run_precompute
 from mtp_train.features.verify import verify_features
-from tests.pipeline_fixtures import tiny_pipeline
+from tests.pipeline_fixtures import free_port, tiny_pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "smollm2-135m-mtp.yaml"
@@ -84,11 +84,12 @@ def test_features_match_transformers_hidden_states(tmp_path):
         assert ((sample["hidden"] - ref).abs() <= tol).all()
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_cover_every_sample_once(tmp_path):
     recipe, overrides = tiny_pipeline(tmp_path, num_conversations=30)
     sets = [a for o in overrides for a in ("--set", o)]
     result = _cli(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-port=29517", "-m",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}", "-m",
          "mtp_train", "precompute", "--recipe", str(RECIPE), *sets],
         timeout=300,
     )
@@ -102,6 +103,7 @@ def test_torchrun_two_ranks_cover_every_sample_once(tmp_path):
     assert report.samples == sum(info["num_samples"] for info in manifest["splits"].values())
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_byte_identical(tmp_path):
     recipe, overrides = tiny_pipeline(tmp_path / "a", num_conversations=160, **{"precompute.samples_per_shard": 2,
                                                                                "precompute.tokens_per_batch": 32})
@@ -129,6 +131,7 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path):
     assert not list(killed_root.rglob("*.tmp-*"))  # no leftovers of the killed write
 
 
+@pytest.mark.slow
 def test_verify_catches_flipped_byte_and_truncation(tmp_path):
     recipe, _ = tiny_pipeline(tmp_path, num_conversations=16)
     root = run_precompute(recipe)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mtp_train.data.prepare import _runtime_generate_fn, prepare_dataset
+from mtp_train.data.prepare import prepare_dataset
 from mtp_train.recipe import load_recipe
 from mtp_train.runtime.chat import encode_chat, stop_token_ids
 from mtp_train.runtime.generate import generate

@@ -1,10 +1,8 @@
 """The rejection sampler alone (`runtime/rejection.py`): greedy verification, the accept rule, the residual and bonus
 distributions, and a χ² test that it is lossless.
 
-Statistical tests draw from a seeded generator, so they are deterministic. A χ² goodness-of-fit test fails when its
-p-value is below `P_VALUE_THRESHOLD` = 1e-3: a correct sampler fails a given seed with probability 1e-3, while the
-sample sizes below make real biases (e.g. sampling the correction from p instead of norm(max(0, p - q))) give
-p-values far below 1e-10.
+Statistical tests draw from a seeded generator, so they are deterministic; the χ² helper and the rationale of its
+threshold are in tests/sampling_stats.py.
 """
 
 from __future__ import annotations
@@ -13,33 +11,7 @@ import pytest
 import torch
 
 from mtp_train.runtime.rejection import greedy_accept, rejection_sample
-
-P_VALUE_THRESHOLD = 1e-3
-
-
-def chi2_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """Pearson χ² goodness-of-fit p-value of observed `counts` [C] against cell probabilities `probs` [C].
-
-    Cells expected to hold fewer than `min_expected` observations are pooled into one cell (the usual validity
-    condition of the χ² approximation). An observation in a zero-probability cell gives p-value 0."""
-    counts = counts.double().flatten()
-    probs = probs.double().flatten()
-    probs = probs / probs.sum()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    total = counts.sum()
-    expected = probs * total
-    small = expected < min_expected
-    observed_cells = counts[~small]
-    expected_cells = expected[~small]
-    if small.any() and expected[small].sum() > 0:
-        observed_cells = torch.cat([observed_cells, counts[small].sum()[None]])
-        expected_cells = torch.cat([expected_cells, expected[small].sum()[None]])
-    statistic = ((observed_cells - expected_cells) ** 2 / expected_cells).sum()
-    dof = observed_cells.numel() - 1
-    if dof < 1:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
+from tests.sampling_stats import P_VALUE_THRESHOLD, chi2_p_value
 
 
 def test_chi2_helper_accepts_a_fair_sample_and_rejects_a_biased_one():

@@ -9,7 +9,7 @@ import torch
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model
-from tests.conftest import save_tiny_model
+from tests.tiny_models import save_tiny_model
 
 TOL = 1e-4
 

@@ -11,7 +11,7 @@ from mtp_train.runtime.generate import generate
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model, load_tokenizer
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 PROMPTS = [
     "What is the capital of France?",

@@ -11,7 +11,7 @@ from mtp_train.errors import UserError
 from mtp_train.runtime.kv_cache import OutOfPagesError, PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model
 from mtp_train.runtime.sampler import SamplingParams, processed_probs, sample
-from tests.conftest import save_tiny_model
+from tests.tiny_models import save_tiny_model
 
 
 def test_allocator_no_leak_after_free():

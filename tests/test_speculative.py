@@ -1,9 +1,10 @@
-"""Speculative decoding (`runtime/speculative.py`): greedy output token-identical to plain `generate()` for the MTP
+"""Speculative decoding (`runtime/spec/`): greedy output token-identical to plain `generate()` for the MTP
 chain and the target–draft schedules, page accounting, stop tokens / max_new_tokens, statistics, lossless sampling
 end to end (χ²), input validation, the `generate --head/--draft` CLI, and the real SmolLM2.
 
 χ² tests are seeded (deterministic) and fail when the p-value is below `P_VALUE_THRESHOLD` = 1e-3 (see
-tests/test_rejection.py for the helper and the threshold's rationale).
+tests/sampling_stats.py for the helper and the threshold's rationale). The models are fixtures of tests/conftest.py;
+the prompts and the greedy comparison are in tests/spec_helpers.py.
 """
 
 from __future__ import annotations
@@ -17,72 +18,29 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.heads import DraftHead, HeadConfig, save_head
-from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.generate import generate
 from mtp_train.runtime.kv_cache import PageAllocator
 from mtp_train.runtime.loader import load_model
-from mtp_train.runtime.sampler import SamplingParams, processed_probs
-from mtp_train.runtime.speculative import (
-    SCHEDULE_MTP_CHAIN,
-    SCHEDULE_TARGET_DRAFT,
-    SpecStats,
-    speculative_generate,
+from mtp_train.runtime.sampler import SamplingParams
+from mtp_train.runtime.spec import PromptLookup, SpecStats, speculative_generate
+from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
+from mtp_train.runtime.spec.prompt_lookup import PromptLookupProposer, ngram_next_token
+from mtp_train.runtime.spec.target_draft import TargetDraftProposer
+from tests.sampling_stats import P_VALUE_THRESHOLD, chi2_p_value
+from tests.spec_helpers import (
+    LOSSLESS_PROMPT,
+    LOSSLESS_SAMPLES,
+    SMALL_VOCAB,
+    exact_first_three_tokens,
+    make_prompts,
+    run_and_compare,
 )
-from tests.conftest import save_tiny_model
-from tests.test_rejection import P_VALUE_THRESHOLD, chi2_p_value
-
-VOCAB = 96
-PROMPT_LENGTHS = (5, 11, 3, 18)  # batch 4 with different prompt lengths; batch 1 uses the first
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A tiny target (2 layers), a different-seed 1-layer draft with the same vocab, and a slightly perturbed copy of
-    the target (drafts that are often, not always, accepted)."""
-    root = tmp_path_factory.mktemp("spec")
-    target = load_model(save_tiny_model(root / "target", seed=0), dtype="float32", device="cpu")
-    other = load_model(save_tiny_model(root / "other", seed=1, num_hidden_layers=1), dtype="float32", device="cpu")
-    noisy = load_model(root / "target", dtype="float32", device="cpu")
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for param in noisy.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * 0.002)
-    return {"target": target, "other_seed": other, "noisy_copy": noisy}
+from tests.tiny_models import save_tiny_model
 
 
 def make_head(target, init: str) -> DraftHead:
     torch.manual_seed(0)
     return DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init=init))
-
-
-def make_prompts(batch_size: int, seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS[:batch_size]]
-
-
-def run_and_compare(target, draft, prompts, max_new_tokens, k, page_size=4, **kwargs):
-    """Speculative vs plain greedy on the same prompts; asserts identical tokens, finish reasons and that every page
-    is back. Returns the speculative results and stats."""
-    reference, _ = generate(target, prompts, max_new_tokens, page_size=page_size, **kwargs)
-    allocator = PageAllocator(64, page_size=page_size)
-    results, stats = speculative_generate(
-        target, draft, prompts, max_new_tokens, k, page_size=page_size, allocator=allocator, **kwargs
-    )
-    for b, (spec, ref) in enumerate(zip(results, reference)):
-        assert spec.token_ids == ref.token_ids, (b, k)
-        assert spec.finish_reason == ref.finish_reason, (b, k)
-    assert allocator.num_free == allocator.num_pages
-    assert stats.new_tokens == sum(len(r.token_ids) for r in results)
-    assert stats.target_sequence_forwards == len(prompts) + stats.verify_sequence_steps
-    assert sum(stats.drafted_per_position) == stats.drafted_tokens
-    assert sum(stats.accepted_per_position) == stats.accepted_tokens
-    # The prefill commits one token per sequence, each verify the accepted drafts + one (fewer only after a stop).
-    committed_by_steps = len(prompts) + stats.accepted_tokens + stats.verify_sequence_steps
-    if kwargs.get("stop_token_ids"):
-        assert stats.new_tokens <= committed_by_steps
-    else:
-        assert stats.new_tokens == committed_by_steps
-    return results, stats
 
 
 # ---- greedy: token-identical to plain generate -----------------------------------------------------------------------
@@ -95,7 +53,7 @@ def test_greedy_mtp_chain_matches_generate(models, init, k):
     head = make_head(target, init)
     for batch_size in (1, 4):
         _, stats = run_and_compare(target, head, make_prompts(batch_size), 24, k)
-        assert stats.schedule == SCHEDULE_MTP_CHAIN
+        assert stats.schedule == MTPChainProposer.schedule
         assert stats.drafted_tokens <= k * stats.verify_sequence_steps  # each verify checks <= k drafts
 
 
@@ -106,7 +64,7 @@ def test_greedy_target_draft_matches_generate(models, draft_name, k):
     draft = target if draft_name == "self" else models[draft_name]
     for batch_size in (1, 4):
         _, stats = run_and_compare(target, draft, make_prompts(batch_size, seed=k), 24, k)
-        assert stats.schedule == SCHEDULE_TARGET_DRAFT
+        assert stats.schedule == TargetDraftProposer.schedule
         if draft_name == "noisy_copy" and batch_size == 4:  # both catch-up paths: partial and full acceptance
             assert 0 < stats.alpha < 1
 
@@ -135,27 +93,26 @@ def test_target_as_its_own_draft_accepts_everything(models, k):
 
 
 def test_stats_definitions():
-    stats = SpecStats(
-        SCHEDULE_MTP_CHAIN,
-        num_speculative_tokens=2,
-        target_forwards=4,
-        target_sequence_forwards=4,
-        verify_sequence_steps=3,
-        new_tokens=7,
-        prefill_tokens=1,
-        drafted_tokens=6,
-        accepted_tokens=3,
-        drafted_per_position=[3, 3],
-        accepted_per_position=[2, 1],
-        prefill_seconds=0.5,
-        decode_seconds=1.25,
-    )
+    stats = SpecStats(MTPChainProposer.schedule, 2, target_forwards=4, target_sequence_forwards=4,
+                      verify_sequence_steps=3, new_tokens=7, prefill_tokens=1, drafted_tokens=6, accepted_tokens=3,
+                      drafted_per_position=[3, 3], accepted_per_position=[2, 1], prefill_seconds=0.5,
+                      decode_seconds=1.25)
     assert stats.tau == 7 / 4  # the prefill's forward and token count
     assert stats.committed_per_verify == 2.0
     assert stats.alpha == 0.5
     assert stats.acceptance_per_position == [2 / 3, 1 / 3]  # unconditional: accepted at j / drafted at j
     assert stats.tokens_per_s == 7 / 1.75
     assert stats.to_dict()["acceptance_per_position"] == [0.6667, 0.3333]
+    # Summing calls (what the evaluation does) adds every counter; the rates are those of the summed counters.
+    total = SpecStats(MTPChainProposer.schedule, 2)
+    total.add(stats)
+    total.add(SpecStats(MTPChainProposer.schedule, 2, target_sequence_forwards=2, verify_sequence_steps=1, new_tokens=3,
+                        prefill_tokens=1, drafted_tokens=2, accepted_tokens=1, drafted_per_position=[1, 1],
+                        accepted_per_position=[1, 0]))
+    assert (total.tau, total.committed_per_verify, total.alpha) == (10 / 6, 8 / 4, 4 / 8)
+    assert total.drafted_per_position == [4, 4] and total.accepted_per_position == [3, 1]
+    with pytest.raises(ValueError, match="cannot add"):
+        total.add(SpecStats(MTPChainProposer.schedule, 3))
 
 
 # ---- stop tokens, max_new_tokens, pages ----------------------------------------------------------------------------
@@ -221,34 +178,8 @@ def test_the_default_allocator_is_enough(models):
 
 # ---- lossless sampling end to end ----------------------------------------------------------------------------------
 
-SMALL_VOCAB = 8
-LOSSLESS_PROMPT = [0, 5, 3, 6, 2]
-LOSSLESS_SAMPLES = 2000
 
-
-@pytest.fixture(scope="module")
-def small_vocab_target(tmp_path_factory):
-    """A vocab-8 target with a sharpened lm_head (logits std ~2.5), so its distributions are far from uniform."""
-    path = save_tiny_model(tmp_path_factory.mktemp("v8") / "target", seed=3, vocab_size=SMALL_VOCAB)
-    target = load_model(path, dtype="float32", device="cpu")
-    with torch.no_grad():
-        target.lm_head.weight.mul_(15)
-    return target
-
-
-def exact_first_three_tokens(target, prompt: list[int], sampling: SamplingParams) -> torch.Tensor:
-    """[V, V, V]: the exact joint probability of the first three tokens under plain sampling with `sampling`, from
-    one cache-free forward over every continuation prompt + [a, b]."""
-    vocab, n = target.config.vocab_size, len(prompt)
-    sequences = [prompt + [a, b] for a in range(vocab) for b in range(vocab)]
-    logits = target(torch.tensor(sum(sequences, [])), BatchInfo.without_cache([n + 2] * len(sequences))).logits
-    logits = logits.view(vocab, vocab, n + 2, vocab)
-    first = processed_probs(logits[0, 0, n - 1][None], sampling)[0]  # [V]: t1
-    second = processed_probs(logits[:, 0, n], sampling)  # [V (t1), V]: t2 | t1
-    third = processed_probs(logits[:, :, n + 1].reshape(vocab * vocab, vocab), sampling).view(vocab, vocab, vocab)
-    return first[:, None, None] * second[:, :, None] * third
-
-
+@pytest.mark.slow  # 2,000 sequences per χ² test: 3-4 s each
 @pytest.mark.parametrize(
     "schedule, k, sampling",
     [
@@ -316,6 +247,7 @@ def test_cli_generate_with_head_and_draft(tmp_path, capsys):
     head_dir = save_head(make_head(target, "last_layer"), tmp_path / "head")
     common = ["generate", "--target", str(target_dir), "--prompt", "hello world", "--max-new-tokens", "12"]
     common += ["--dtype", "float32", "--device", "cpu", "--json"]
+    capsys.readouterr()  # what building the models printed (a first `import deepspeed` logs to stdout)
 
     def run(*extra: str) -> dict:
         assert main([*common, *extra]) == 0
@@ -325,9 +257,17 @@ def test_cli_generate_with_head_and_draft(tmp_path, capsys):
     assert "stats" not in plain
     with_head = run("--head", str(head_dir), "--num-speculative-tokens", "2")
     assert with_head["token_ids"] == plain["token_ids"]
-    assert with_head["stats"]["schedule"] == SCHEDULE_MTP_CHAIN
+    assert with_head["stats"]["schedule"] == MTPChainProposer.schedule
     assert len(with_head["stats"]["acceptance_per_position"]) == 2
     assert {"tau", "alpha", "target_forwards", "tokens_per_s"} <= set(with_head["stats"])
+    # Any export format loads through the same loader as `eval --head`: the same head drafts the same tokens.
+    from mtp_train.export.exporter import export_head
+
+    exported = export_head(head_dir, "deepseek-mtp", tmp_path / "export", target_dir)
+    capsys.readouterr()
+    from_export = run("--head", str(exported), "--num-speculative-tokens", "2")
+    assert from_export["token_ids"] == plain["token_ids"]
+    assert from_export["stats"]["accepted_per_position"] == with_head["stats"]["accepted_per_position"]
     self_draft = run("--draft", str(target_dir), "--num-speculative-tokens", "3")
     assert self_draft["token_ids"] == plain["token_ids"]
     assert self_draft["stats"]["alpha"] == 1.0
@@ -348,6 +288,7 @@ def test_cli_generate_with_head_and_draft(tmp_path, capsys):
 # ---- the real model ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_real_smollm2_greedy_mtp_chain_matches_generate(smollm2_dir):
     from mtp_train.runtime.chat import encode_chat
@@ -371,8 +312,6 @@ def test_real_smollm2_greedy_mtp_chain_matches_generate(smollm2_dir):
 
 
 def test_ngram_lookup_finds_latest_longest_match():
-    from mtp_train.runtime.speculative import ngram_next_token
-
     assert ngram_next_token([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]) == 7  # latest occurrence of (1, 2, 3)
     assert ngram_next_token([4, 2, 3, 8, 5, 2, 3]) == 8  # falls back to the 2-gram (2, 3)
     assert ngram_next_token([1, 2, 3, 4]) is None
@@ -380,15 +319,51 @@ def test_ngram_lookup_finds_latest_longest_match():
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_prompt_lookup_greedy_identical_and_accepts_repetitions(tmp_path, k):
-    from mtp_train.runtime.generate import generate
-    from mtp_train.runtime.loader import load_model
-    from mtp_train.runtime.speculative import PromptLookup, speculative_generate
-    from tests.conftest import save_tiny_model
-
     target = load_model(save_tiny_model(tmp_path / "t", seed=3), dtype="float32", device="cpu")
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 12, 13]]
     plain, _ = generate(target, prompts, 24)
     spec, stats = speculative_generate(target, PromptLookup(), prompts, 24, k)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    assert stats.schedule == "prompt_lookup" and stats.draft_forwards == 0
+    assert stats.schedule == PromptLookupProposer.schedule and stats.draft_forwards == 0
     assert stats.tau >= 1.0
+
+
+def test_a_new_proposer_is_one_subclass_with_its_own_state(models):
+    """The extension point for later proposers (tree drafting): a `Proposer` subclass with its own `DraftState`
+    registers itself. This one drafts the last committed token again and again; greedy output is still plain's."""
+    from dataclasses import dataclass
+
+    from mtp_train.runtime.spec.proposer import DraftState, Proposer
+
+    class RepeatLast:  # the draft object the new proposer accepts
+        pass
+
+    @dataclass
+    class RepeatState(DraftState):
+        last_committed: int = -1
+
+    class RepeatProposer(Proposer):
+        schedule = "repeat_last"
+        state_class = RepeatState
+
+        @classmethod
+        def accepts(cls, draft) -> bool:
+            return isinstance(draft, RepeatLast)
+
+        def __init__(self, target, draft, allocator):
+            super().__init__(target, allocator)
+            self.vocab_size = target.config.vocab_size
+
+        def _one_hot(self, token_ids: list[int]) -> torch.Tensor:  # [m, vocab]
+            return torch.nn.functional.one_hot(torch.tensor(token_ids), self.vocab_size).float()
+
+        def catch_up(self, requests):
+            for req in requests:
+                req.draft.last_committed = req.token_ids[-1]
+                req.draft.next_logits = self._one_hot([req.draft.last_committed])[0]
+
+        def draft_step(self, requests, token_ids, carried):
+            return self._one_hot([req.draft.last_committed for req in requests]), None
+
+    _, stats = run_and_compare(models["target"], RepeatLast(), make_prompts(4), 24, 3)
+    assert stats.schedule == "repeat_last" and stats.drafted_tokens > 0 and stats.draft_forwards == 0

@@ -17,7 +17,7 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.features.precompute import run_precompute
 from mtp_train.recipe import load_recipe
-from tests.pipeline_fixtures import tiny_pipeline
+from tests.pipeline_fixtures import free_port, tiny_pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "smollm2-135m-mtp.yaml"
@@ -48,10 +48,11 @@ def features(tmp_path_factory):
     return root, overrides
 
 
+@pytest.mark.slow
 def test_torchrun_zero2_two_ranks_loss_falls_and_head_has_no_frozen_tensors(features):
     root, overrides = features
     run_dir = root / "run-ddp"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-port=29533", "-m",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}", "-m",
                "mtp_train", "train", "--recipe", str(RECIPE), *_sets(overrides),
                "--set", f"train.run_dir={run_dir}", "--set", "train.max_steps=24", "--set", "target.dtype=bfloat16"]
     result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
@@ -98,6 +99,7 @@ def test_frozen_target_tensors_unchanged(features):
     assert model.model.embed_tokens.weight.grad is None and model.lm_head.weight.grad is None
 
 
+@pytest.mark.slow
 def test_kill_after_checkpoint_then_resume_matches_uninterrupted(features):
     root, overrides = features
     common = _sets(overrides) + ["--set", "train.max_steps=16", "--set", "train.save_every=4",

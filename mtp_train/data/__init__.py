@@ -7,7 +7,8 @@ Submodules (none imports torch/transformers/datasets at import time, so `mtp-tra
 - `templating`: `load_chat_tokenizer`, `AssistantMaskRenderer` (input_ids + loss_mask for any chat template);
 - `regenerate`: `regenerate_conversations(conversations, generate_fn, progress_path)`, resumable;
 - `prepared`: the on-disk format of `prepare`'s output (`load_prepared`, fingerprints, split assignment);
-- `prepare`: the `mtp-train prepare` stage (`prepare_dataset`, `register`).
+- `json_array`: a (possibly cut-off) JSON array read element by element;
+- `prepare`: the prepare stage (`prepare_dataset`; the command is `mtp_train.commands.prepare`).
 """
 
 from mtp_train.data.conversations import (

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from mtp_train.data.json_array import JsonArrayReader
 from mtp_train.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -45,10 +46,8 @@ ROLE_ALIASES: dict[str, Role] = {
     "model": "assistant",
 }
 
-ROW_FORMATS = ("sharegpt", "messages", "mt_bench")
 _FORMAT_KEYS = {"sharegpt": "conversations", "messages": "messages", "mt_bench": "turns"}
 _ID_KEYS = ("id", "question_id", "conversation_id", "uid")
-_JSON_CHUNK_CHARS = 1 << 22
 
 
 @dataclass
@@ -118,98 +117,34 @@ class RawRow:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-class _JsonArrayCursor:
-    """A read position in a JSON text that is read from a stream in chunks, with the current line number."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-        self.buffer = ""
-        self.position = 0
-        self.at_eof = False
-        self.line = 1
-        self._lines_counted_to = 0
-        self.refill()
-
-    def refill(self) -> bool:
-        """Append the next chunk (dropping what lies before `position`); False at the end of the file."""
-        if self.at_eof:
-            return False
-        self.line_number()  # count the newlines of the part about to be dropped
-        chunk = self.stream.read(_JSON_CHUNK_CHARS)
-        self.at_eof = len(chunk) < _JSON_CHUNK_CHARS
-        self.buffer = self.buffer[self.position :] + chunk
-        self.position = 0
-        self._lines_counted_to = 0
-        return bool(chunk)
-
-    def line_number(self) -> int:
-        """1-based line of `position` (counted incrementally: positions only move forward)."""
-        self.line += self.buffer.count("\n", self._lines_counted_to, self.position)
-        self._lines_counted_to = self.position
-        return self.line
-
-    def peek(self) -> str:
-        """The next non-whitespace character ('' at the end of the file), moving `position` onto it."""
-        while True:
-            while self.position < len(self.buffer) and self.buffer[self.position] in " \t\r\n":
-                self.position += 1
-            if self.position < len(self.buffer):
-                return self.buffer[self.position]
-            if not self.refill():
-                return ""
-
-
 def _iter_json_array(path: Path) -> Iterator[RawRow]:
-    """Records of a top-level JSON array, decoded one at a time with `JSONDecoder.raw_decode`.
+    """Records of a top-level JSON array, decoded one at a time (`JsonArrayReader`, reading the file in chunks).
 
     A record cut off by the end of the file (a truncated download: the file does not end with `]`) ends the
     file with one "truncated JSON record" row, not counted as malformed, so `--strict` still reads such files.
-    A malformed record ends the file with one "malformed JSON" row: inside an array there is no reliable way to
-    resynchronize after it.
+    A malformed record (or a missing comma) ends the file with one "malformed JSON" row: we stop there rather
+    than guess where the next record starts.
     """
-    decoder = json.JSONDecoder()
     with path.open(encoding="utf-8") as stream:
-        cursor = _JsonArrayCursor(stream)
-        if cursor.peek() != "[":
-            raise UserError(f"{path}: expected a JSON array of records or JSON Lines")
-        cursor.position += 1
-        index = 0
-        expect_record = True
-        while True:
-            next_char = cursor.peek()
-            if next_char == "]":
-                return
-            if next_char == "":
-                logger.warning(
-                    "%s: line %d: the JSON array ends without ']' after %d records", path, cursor.line, index
-                )
-                return
-            if not expect_record:
-                if next_char != ",":
-                    line = cursor.line_number()
-                    detail = f"{path}: line {line}: expected ',' or ']' after record {index}, got {next_char!r}"
-                    yield RawRow(index, f"{path}:{line}", error=RowSkipped("malformed JSON", detail, malformed=True))
-                    return
-                cursor.position += 1
-                expect_record = True
+        reader = JsonArrayReader(stream, str(path))
+        records = 0
+        for element in reader:
+            location = f"{path}:{element.line}"
+            if not element.problem:
+                yield RawRow(element.index, location, record=element.value)
+                records += 1
                 continue
-            line = cursor.line_number()
-            while True:
-                try:
-                    record, end = decoder.raw_decode(cursor.buffer, cursor.position)
-                    break
-                except json.JSONDecodeError as err:
-                    if cursor.refill():
-                        continue
-                    truncated = not cursor.buffer.rstrip().endswith("]")
-                    reason = "truncated JSON record" if truncated else "malformed JSON"
-                    detail = f"{path}: line {line}: record {index}: {err.msg}; stopping here"
-                    yield RawRow(index, f"{path}:{line}", error=RowSkipped(reason, detail, malformed=not truncated))
-                    return
-            yield RawRow(index, f"{path}:{line}", record=record)
-            index += 1
-            cursor.position = end
-            expect_record = False
+            cut_off = element.problem == "cut_off"
+            if element.problem == "separator":
+                detail = f"{path}: line {element.line}: {element.message}"
+            else:
+                detail = f"{path}: line {element.line}: record {element.index}: {element.message}; stopping here"
+            reason = "truncated JSON record" if cut_off else "malformed JSON"
+            yield RawRow(element.index, location, error=RowSkipped(reason, detail, malformed=not cut_off))
+            return
+        if reader.truncated:
+            line = reader.locate()[0]
+            logger.warning("%s: line %d: the JSON array ends without ']' after %d records", path, line, records)
 
 
 def _iter_json_lines(path: Path) -> Iterator[RawRow]:
@@ -266,7 +201,7 @@ def iter_raw_rows(path: str | Path, split: str | None = None) -> Iterator[RawRow
     source_path = Path(path)
     if not source_path.exists():
         raise UserError(f"{source_path}: data source not found")
-    if source_path.is_dir() or source_path.suffix == ".parquet":
+    if is_hf_container(source_path):
         yield from _iter_hf_rows(source_path, split)
         return
     with source_path.open(encoding="utf-8") as stream:
@@ -286,15 +221,6 @@ def is_hf_container(path: str | Path) -> bool:
 # --------------------------------------------------------------------------------------------------------------------
 # Rows → conversations
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def detect_row_format(record: Any) -> str | None:
-    """The row schema of a record (sharegpt / messages / mt_bench) from its keys, or None if none matches."""
-    if isinstance(record, dict):
-        for row_format, key in _FORMAT_KEYS.items():
-            if key in record:
-                return row_format
-    return None
 
 
 def normalize_role(role: Any, location: str) -> Role:
@@ -373,12 +299,6 @@ def parse_row(record: Any, row_format: str, source_name: str, row: RawRow) -> Co
     return Conversation(source_id=source_id, messages=messages, origin=location, metadata=metadata)
 
 
-def source_name_of(path: str | Path) -> str:
-    """The prefix of source ids for a source: the file name without its extension (directory name for dirs)."""
-    source_path = Path(path)
-    return source_path.name if source_path.is_dir() else source_path.stem
-
-
 def iter_conversations(
     path: str | Path,
     row_format: str = "auto",
@@ -398,7 +318,7 @@ def iter_conversations(
     if row_format == "hf" and not is_hf_container(source_path):
         raise UserError(f"{source_path}: format 'hf' needs an HF datasets directory or a .parquet file")
     stats = stats if stats is not None else SourceStats(path=str(path))
-    source_name = source_name_of(source_path)
+    source_name = source_path.name if source_path.is_dir() else source_path.stem  # the prefix of source ids
     resolved_format = None if row_format in ("auto", "hf") else row_format
     for row in iter_raw_rows(source_path, split):
         if limit is not None and stats.rows_read >= limit:
@@ -408,7 +328,8 @@ def iter_conversations(
             if row.error is not None:
                 raise row.error
             if resolved_format is None:
-                resolved_format = detect_row_format(row.record)
+                record_keys = row.record if isinstance(row.record, dict) else {}
+                resolved_format = next((fmt for fmt, key in _FORMAT_KEYS.items() if key in record_keys), None)
                 if resolved_format is None:
                     keys = sorted(row.record) if isinstance(row.record, dict) else type(row.record).__name__
                     raise UserError(

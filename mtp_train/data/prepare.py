@@ -1,4 +1,4 @@
-"""`mtp-train prepare`: conversations → tokenized (input_ids, loss_mask) train/eval datasets.
+"""The prepare stage (`mtp-train prepare`): conversations → tokenized (input_ids, loss_mask) train/eval datasets.
 
 Pipeline per source, streaming: read rows (`conversations`) → clean up for training (system-prompt policy, leading
 assistant / trailing user turns dropped) → optionally regenerate the assistant turns with the target
@@ -11,11 +11,9 @@ half-written output behind. Re-running with unchanged inputs is a no-op (see `in
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from collections import Counter
@@ -44,14 +42,13 @@ from mtp_train.data.prepared import (
     eval_split_of,
     path_content_hash,
     prepared_features,
-    read_json,
     tokenizer_hash,
 )
 from mtp_train.data.regenerate import GenerateFn, Message, RegenerationStats, regenerate_conversations
 from mtp_train.data.templating import AssistantMaskRenderer, effective_chat_template, load_chat_tokenizer
 from mtp_train.errors import UserError
-from mtp_train.fileio import atomic_write_text
-from mtp_train.recipe import Recipe, add_recipe_args, recipe_from_args, recipe_hash, save_resolved
+from mtp_train.fileio import atomic_write_text, read_json_object, replace_directory
+from mtp_train.recipe import Recipe, recipe_hash, save_resolved
 
 logger = logging.getLogger(__name__)
 
@@ -167,30 +164,19 @@ def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
     return generate_fn
 
 
+@dataclass
 class _SamplePipeline:
     """Streams the recipe's sources into sample rows for `Dataset.from_generator`, counting everything."""
 
-    def __init__(
-        self,
-        recipe: Recipe,
-        renderer: AssistantMaskRenderer,
-        stats: PrepareStats,
-        *,
-        strict: bool,
-        row_limit: int | None,
-        generate_fn: GenerateFn | None,
-        regeneration_progress: Path | None,
-        show_progress: bool,
-    ) -> None:
-        self.recipe = recipe
-        self.renderer = renderer
-        self.stats = stats
-        self.strict = strict
-        self.row_limit = row_limit
-        self.generate_fn = generate_fn
-        self.regeneration_progress = regeneration_progress
-        self.show_progress = show_progress
-        self._seen_source_ids: set[str] = set()
+    recipe: Recipe
+    renderer: AssistantMaskRenderer
+    stats: PrepareStats
+    strict: bool
+    row_limit: int | None
+    generate_fn: GenerateFn | None
+    regeneration_progress: Path | None
+    show_progress: bool
+    _seen_source_ids: set[str] = field(default_factory=set)
 
     def _cleaned(self, conversations: Iterator[Conversation], source_stats: SourceStats) -> Iterator[Conversation]:
         system = self.recipe.data.system_prompt
@@ -320,27 +306,6 @@ def _inputs_fingerprint(recipe: Recipe, tokenizer_digest: str, row_limit: int | 
     }
 
 
-def _existing_inputs_hash(output_dir: Path) -> str | None:
-    fingerprint_path = output_dir / FINGERPRINT_FILENAME
-    if not fingerprint_path.is_file():
-        return None
-    try:
-        return read_json(fingerprint_path).get("inputs_hash")
-    except UserError:
-        return None
-
-
-def _replace_directory(staging_dir: Path, output_dir: Path) -> None:
-    """Move `staging_dir` to `output_dir`, replacing an existing output only once the new one is complete."""
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    retired = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
-    if output_dir.exists():
-        os.replace(output_dir, retired)
-    os.replace(staging_dir, output_dir)
-    if retired.exists():
-        shutil.rmtree(retired)
-
-
 def prepare_dataset(
     recipe: Recipe,
     *,
@@ -361,8 +326,7 @@ def prepare_dataset(
     """
     started = time.perf_counter()
     data = recipe.data
-    assert data.output_dir is not None  # filled in by the Recipe validator
-    output_dir = Path(data.output_dir)
+    output_dir = recipe.prepared_dir
 
     tokenizer = load_chat_tokenizer(recipe.target.path, data.chat_template)
     tokenizer_digest = tokenizer_hash(recipe.target.path, effective_chat_template(tokenizer))
@@ -373,8 +337,8 @@ def prepare_dataset(
     inputs_hash = _canonical_hash(inputs)
     if not force and _is_up_to_date(output_dir, inputs_hash):
         logger.info("%s is up to date (same recipe, tokenizer and sources); --force rebuilds it", output_dir)
-        stats_json = read_json(output_dir / STATS_FILENAME)
-        return PrepareResult(output_dir, stats_json, read_json(output_dir / FINGERPRINT_FILENAME), True)
+        stats_json = read_json_object(output_dir / STATS_FILENAME)
+        return PrepareResult(output_dir, stats_json, read_json_object(output_dir / FINGERPRINT_FILENAME), True)
 
     stats = PrepareStats()
     work_dir = output_dir.with_name(f".{output_dir.name}.work")
@@ -425,7 +389,7 @@ def prepare_dataset(
         save_resolved(recipe, staging_dir)
         if regeneration_progress is not None and regeneration_progress.exists():
             shutil.copyfile(regeneration_progress, staging_dir / REGENERATED_FILENAME)
-        _replace_directory(staging_dir, output_dir)
+        replace_directory(staging_dir, output_dir)
     except BaseException:
         for scratch in (staging_dir, cache_dir):
             shutil.rmtree(scratch, ignore_errors=True)
@@ -438,8 +402,12 @@ def prepare_dataset(
 
 def _is_up_to_date(output_dir: Path, inputs_hash: str) -> bool:
     """Whether `output_dir` holds a complete prepared dataset made from exactly these inputs."""
-    complete = all((output_dir / name).exists() for name in (*SPLITS, STATS_FILENAME, FINGERPRINT_FILENAME))
-    return complete and _existing_inputs_hash(output_dir) == inputs_hash
+    if not all((output_dir / name).exists() for name in (*SPLITS, STATS_FILENAME, FINGERPRINT_FILENAME)):
+        return False
+    try:
+        return read_json_object(output_dir / FINGERPRINT_FILENAME).get("inputs_hash") == inputs_hash
+    except UserError:
+        return False
 
 
 def _write_splits(pipeline: _SamplePipeline, cache_dir: Path, staging_dir: Path, inputs_hash: str) -> str:
@@ -483,69 +451,3 @@ def _generate_dataset(pipeline: _SamplePipeline, cache_dir: Path, inputs_hash: s
                 raise cause from None
             cause = cause.__cause__ or cause.__context__
         raise
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
-def _print_summary(result: PrepareResult) -> None:
-    stats = result.stats
-    splits = stats["splits"]
-    if result.up_to_date:
-        train_samples, eval_samples = splits["train"]["samples"], splits["eval"]["samples"]
-        print(f"{result.output_dir}: up to date ({train_samples} train / {eval_samples} eval samples)")
-        return
-    print(
-        f"prepared {stats['kept']} samples from {stats['rows_read']} rows in {stats['elapsed_s']:.1f} s "
-        f"({stats['rows_per_s']} rows/s) -> {result.output_dir}"
-    )
-    for split in SPLITS:
-        numbers = splits[split]
-        print(
-            f"  {split:5s}: {numbers['samples']} samples, {numbers['tokens']} tokens, "
-            f"{numbers['assistant_tokens']} assistant tokens"
-        )
-    print(f"  truncated: {stats['truncated']}, offset fallback: {stats['offset_fallback']}")
-    if stats["skipped"]:
-        print("  skipped: " + ", ".join(f"{reason}: {count}" for reason, count in stats["skipped"].items()))
-    if stats["adjusted"]:
-        print("  adjusted: " + ", ".join(f"{reason}: {count}" for reason, count in stats["adjusted"].items()))
-
-
-def run_prepare(args: argparse.Namespace) -> int:
-    """The `prepare` subcommand."""
-    recipe = recipe_from_args(args)
-    if args.regenerate:
-        recipe.data.regenerate.enabled = True
-    result = prepare_dataset(recipe, strict=args.strict, row_limit=args.limit, force=args.force)
-    _print_summary(result)
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    """Add the `prepare` subcommand."""
-    parser = subparsers.add_parser(
-        "prepare",
-        help="tokenize conversations into (input_ids, loss_mask) train/eval datasets",
-        description="Read the recipe's conversation sources, render them with the target's chat template, mask "
-        "everything but the assistant replies, and save train/eval HF datasets with stats and fingerprints.",
-    )
-    add_recipe_args(parser)
-    parser.add_argument("--strict", action="store_true", help="fail on the first malformed row instead of skipping it")
-    parser.add_argument("--limit", type=_positive_int, metavar="N", help="read at most N rows over all sources")
-    parser.add_argument(
-        "--regenerate",
-        action="store_true",
-        help="replace assistant turns by the target's own replies (self-distillation)",
-    )
-    parser.add_argument("--force", action="store_true", help="rebuild even if the output is up to date")
-    parser.set_defaults(func=run_prepare)

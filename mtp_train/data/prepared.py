@@ -16,13 +16,13 @@ Later stages import this module (never the `prepare` pipeline) and compare finge
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtp_train.errors import UserError
+from mtp_train.fileio import file_sha256, read_json_object
 
 if TYPE_CHECKING:
     import datasets
@@ -66,7 +66,7 @@ def tokenizer_hash(tokenizer_dir: str | Path, chat_template: str | None) -> str:
         file_path = directory / name
         if file_path.is_file():
             hasher.update(name.encode() + b"\0")
-            hasher.update(file_path.read_bytes())
+            file_sha256(file_path, hasher)
     hasher.update(b"chat_template\0" + (chat_template or "").encode("utf-8"))
     return hasher.hexdigest()
 
@@ -79,9 +79,7 @@ def path_content_hash(path: str | Path) -> str:
     for file_path in files:
         if root.is_dir():
             hasher.update(str(file_path.relative_to(root)).encode() + b"\0")
-        with file_path.open("rb") as stream:
-            for block in iter(lambda: stream.read(1 << 20), b""):
-                hasher.update(block)
+        file_sha256(file_path, hasher)
     return hasher.hexdigest()
 
 
@@ -130,19 +128,6 @@ class PreparedDataset:
     stats: dict[str, Any]
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from a file, as a UserError naming the file if it is missing or invalid."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{path}: not found") from None
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: invalid JSON ({err.msg} at line {err.lineno})") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return value
-
-
 def load_prepared(directory: str | Path, *, verify: bool = False) -> PreparedDataset:
     """Open `<directory>` written by `prepare`; `verify` recomputes the dataset hash and compares it."""
     import datasets
@@ -150,7 +135,7 @@ def load_prepared(directory: str | Path, *, verify: bool = False) -> PreparedDat
     root = Path(directory)
     if not (root / FINGERPRINT_FILENAME).is_file():
         raise UserError(f"{root}: not a prepared dataset (no {FINGERPRINT_FILENAME}); run `mtp-train prepare` first")
-    fingerprint = read_json(root / FINGERPRINT_FILENAME)
+    fingerprint = read_json_object(root / FINGERPRINT_FILENAME)
     if fingerprint.get("format_version") != PREPARED_FORMAT_VERSION:
         raise UserError(
             f"{root / FINGERPRINT_FILENAME}: format_version {fingerprint.get('format_version')!r}, expected "
@@ -161,4 +146,5 @@ def load_prepared(directory: str | Path, *, verify: bool = False) -> PreparedDat
         actual = dataset_content_hash(loaded)
         if actual != fingerprint.get("dataset_hash"):
             raise UserError(f"{root}: dataset_hash mismatch (files changed since prepare); re-run prepare --force")
-    return PreparedDataset(root, loaded[TRAIN_SPLIT], loaded[EVAL_SPLIT], fingerprint, read_json(root / STATS_FILENAME))
+    stats = read_json_object(root / STATS_FILENAME)
+    return PreparedDataset(root, loaded[TRAIN_SPLIT], loaded[EVAL_SPLIT], fingerprint, stats)

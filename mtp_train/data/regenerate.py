@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtp_train.data.conversations import Conversation, Message
+from mtp_train.fileio import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
 GenerateFn = Callable[[list[list[Message]]], list[str]]
 """Given a batch of conversations that each end with a user turn, return one assistant reply text per conversation.
 A reply cut off by max_new_tokens is returned as is (the chat template still closes the turn)."""
-
-PROGRESS_FILENAME = "regenerated.jsonl"
 
 
 @dataclass
@@ -63,13 +62,8 @@ def load_finished(progress_path: Path) -> dict[str, list[Message]]:
 
 
 def _rewrite_progress(progress_path: Path, finished: dict[str, list[Message]]) -> None:
-    temp_path = progress_path.with_name(progress_path.name + ".tmp")
-    with temp_path.open("w", encoding="utf-8") as stream:
-        for source_id, messages in finished.items():
-            stream.write(json.dumps({"source_id": source_id, "messages": messages}, ensure_ascii=False) + "\n")
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temp_path, progress_path)
+    records = ({"source_id": source_id, "messages": messages} for source_id, messages in finished.items())
+    atomic_write_text(progress_path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
 
 
 def _regenerate_batch(

@@ -235,17 +235,6 @@ class AssistantMaskRenderer:
         encoded = self.tokenizer(texts, add_special_tokens=False)
         return [(list(ids), None) for ids in encoded["input_ids"]]
 
-    def tokenize_with_spans(
-        self, text: str, spans: Sequence[tuple[int, int]], max_tokens: int | None = None
-    ) -> TokenizedConversation:
-        """Token ids of `text` (its first `max_tokens`) and a mask of the tokens inside `spans`.
-
-        The mask is exact when tokenizing the text piece by piece (cut at the span boundaries) reproduces the ids;
-        otherwise tokens overlapping a span are masked, using character offsets.
-        """
-        ((input_ids, offsets),) = self._encode([text], with_offsets=True)
-        return self._masked(text, input_ids, offsets, spans, max_tokens)
-
     def _masked(
         self,
         text: str,

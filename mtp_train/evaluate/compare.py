@@ -5,8 +5,9 @@ For each run dir (a `train.run_dir`: `recipe.resolved.yaml`, `metrics.jsonl`, `s
 e.g. a target–draft baseline) it collects: the recipe keys that differ between the runs (dotted keys;
 output locations and the name are ignored), the final train loss, training tokens/s, the held-out accuracy per unroll
 step (`val/step{k}/top1`, from summary.json or else the last validation row of metrics.jsonl), and from the eval
-report τ and α at each k and the best speedup of the evaluated draft (`draft_method`), with baselines run beside it
-(the prompt-lookup proposer) kept apart. A missing piece is reported per run, never fatal; a directory that
+report τ, the mean acceptance length and α at each k and the best speedup of the evaluated draft (`draft_method`;
+ratio of totals, and median [p25, p75] of the per-prompt ratios), with baselines run beside it (the prompt-lookup
+proposer) kept apart. A missing piece is reported per run, never fatal; a directory that
 holds none of these files is not a run and is an error.
 
 Writes `<out>/compare.md`, `<out>/compare.json` and PNG plots (`loss_curves.png`, `val_top1_by_step.png`,
@@ -16,7 +17,6 @@ also be compared in the W&B UI (offline runs: `wandb sync runs/<name>/wandb/offl
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
+from mtp_train.recipe import flatten_recipe
 
 DEFAULT_OUT = "runs/compare"
 RUN_FILES = ("recipe.resolved.yaml", "metrics.jsonl", "summary.json", "eval/report.json")
@@ -37,6 +38,7 @@ _METHOD = re.compile(r"^(?P<name>.+)@k=(?P<k>\d+)$")
 _VAL_KEY = re.compile(r"^val/step(?P<k>\d+)/(?P<metric>[a-z0-9]+)$")
 _ABSENT = "<absent>"
 BASELINE_METHODS = frozenset({"lookup"})  # model-free proposers `mtp-train eval` runs beside the draft
+EVAL_KEYS = ("tau", "mean_acceptance_length", "alpha", "speedup", "speedup_median", "speedup_p25", "speedup_p75")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -71,14 +73,25 @@ def _read_json(path: Path, run: Run) -> dict[str, Any] | None:
     return value
 
 
+def _read_report(path: Path, run: Run) -> dict[str, Any] | None:
+    report = _read_json(path, run)
+    if report is not None and not isinstance(report.get("overall"), dict):
+        run.notes.append(f"{path.relative_to(run.path).as_posix()}: no 'overall' section")
+        return None
+    return report
+
+
 def load_run(path: str | Path) -> Run:
     """Read what a run dir holds. UserError when `path` is not a directory or holds none of the run files."""
     run_path = Path(path)
     if not run_path.is_dir():
         raise UserError(f"{run_path}: run directory not found")
     if not any((run_path / name).is_file() for name in RUN_FILES):
-        if (run_path / "report.json").is_file():  # an `mtp-train eval --out DIR` directory on its own
-            return _load_eval_dir(run_path)
+        if (run_path / "report.json").is_file():  # an `mtp-train eval --out DIR` directory on its own (e.g. the
+            run = Run(path=run_path, label=run_path.resolve().name)  # target–draft baseline): no recipe, no metrics
+            run.report = _read_report(run_path / "report.json", run)
+            run.notes.append("eval report only (no training run)")
+            return run
         raise UserError(
             f"{run_path}: not a run directory (none of {', '.join(RUN_FILES)} found; expected the train.run_dir "
             "of a `mtp-train train` run, e.g. runs/<name>, or an `mtp-train eval --out` directory with report.json)"
@@ -124,26 +137,10 @@ def load_run(path: str | Path) -> Run:
         run.notes.append("no metrics.jsonl")
 
     run.summary = _read_json(run_path / "summary.json", run)
-    run.report = _read_json(run_path / "eval" / "report.json", run)
-    if run.report is not None and not isinstance(run.report.get("overall"), dict):
-        run.notes.append("eval/report.json: no 'overall' section")
-        run.report = None
+    run.report = _read_report(run_path / "eval" / "report.json", run)
 
     # Label: the run dir's name (= the recipe name for the default runs/<name>; distinct for --set train.run_dir=...).
     run.label = run_path.resolve().name
-    return run
-
-
-def _load_eval_dir(path: Path) -> Run:
-    """An eval output directory alone (e.g. the target–draft baseline `mtp-train eval --draft ... --out DIR`): only
-    its report is compared; it has no recipe and no training metrics."""
-    run = Run(path=path)
-    run.report = _read_json(path / "report.json", run)
-    if run.report is not None and not isinstance(run.report.get("overall"), dict):
-        run.notes.append("report.json: no 'overall' section")
-        run.report = None
-    run.notes.append("eval report only (no training run)")
-    run.label = path.resolve().name
     return run
 
 
@@ -165,21 +162,6 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(float(value)) else None
-
-
-def flatten_recipe(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted keys of a resolved recipe; lists of mappings (data.sources) are indexed, other lists are values."""
-    out: dict[str, Any] = {}
-    if isinstance(value, dict):
-        for key, sub in value.items():
-            out.update(flatten_recipe(sub, f"{prefix}.{key}" if prefix else str(key)))
-    elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
-        for index, sub in enumerate(value):
-            out.update(flatten_recipe(sub, f"{prefix}.{index}"))
-        out[f"{prefix}.length"] = len(value)
-    else:
-        out[prefix] = value
-    return out
 
 
 def differing_keys(runs: list[Run]) -> dict[str, dict[str, Any]]:
@@ -214,6 +196,12 @@ def _val_by_step(values: dict[str, Any]) -> dict[int, dict[str, float]]:
         if match and match["metric"] in VAL_METRICS and number is not None:
             out.setdefault(int(match["k"]), {})[match["metric"]] = number
     return dict(sorted(out.items()))
+
+
+def _eval_numbers(result: dict[str, Any]) -> dict[str, Any]:
+    """One method's numbers in an eval report (None where an older report lacks them)."""
+    numbers = {key: _number(result.get(key)) for key in EVAL_KEYS}
+    return {**numbers, "acceptance_per_position": list(result.get("acceptance_per_position") or [])}
 
 
 def run_numbers(run: Run) -> dict[str, Any]:
@@ -258,9 +246,7 @@ def run_numbers(run: Run) -> dict[str, Any]:
             if not match or not isinstance(result, dict):
                 continue
             by_name.setdefault(match["name"], {})[int(match["k"])] = {
-                "method": method, "tau": _number(result.get("tau")), "alpha": _number(result.get("alpha")),
-                "speedup": _number(result.get("speedup")), "tokens_per_s": _number(result.get("tokens_per_s")),
-                "acceptance_per_position": list(result.get("acceptance_per_position") or []),
+                "method": method, **_eval_numbers(result), "tokens_per_s": _number(result.get("tokens_per_s")),
                 "greedy_match": result.get("greedy_match"),
             }
         # The evaluated draft (head or draft model) vs baselines run beside it (the prompt-lookup proposer).
@@ -275,9 +261,7 @@ def run_numbers(run: Run) -> dict[str, Any]:
             best = max(by_k.values(), key=lambda e: e["speedup"] or 0.0) if by_k else None
         best_out = None
         if isinstance(best, dict):
-            best_out = {"method": best.get("method"), "tau": _number(best.get("tau")),
-                        "alpha": _number(best.get("alpha")), "speedup": _number(best.get("speedup")),
-                        "acceptance_per_position": list(best.get("acceptance_per_position") or [])}
+            best_out = {"method": best.get("method"), **_eval_numbers(best)}
         plain = overall.get("plain") if isinstance(overall.get("plain"), dict) else {}
         evaluation = {
             "prompts": run.report.get("prompts"), "num_prompts": run.report.get("num_prompts"),
@@ -327,15 +311,16 @@ def build_table(runs: list[Run], numbers: list[dict[str, Any]], diffs: dict[str,
     for k in val_ks:
         rows.append([f"held-out α step {k}", *[_fmt(n["val"].get(k, {}).get("alpha"), "acc") for n in numbers]])
     eval_ks = sorted({k for n in numbers if n["eval"] for k in n["eval"]["by_k"]})
-    for k in eval_ks:
-        rows.append([f"eval τ @k={k}", *[_fmt(n["eval"]["by_k"].get(k, {}).get("tau") if n["eval"] else None, "acc")
-                                         for n in numbers]])
-    for k in eval_ks:
-        rows.append([f"eval α @k={k}", *[_fmt(n["eval"]["by_k"].get(k, {}).get("alpha") if n["eval"] else None,
-                                              "acc") for n in numbers]])
+    for key, label in (("tau", "τ"), ("mean_acceptance_length", "mean acceptance length"), ("alpha", "α")):
+        for k in eval_ks:
+            rows.append([f"eval {label} @k={k}", *[_fmt(n["eval"]["by_k"].get(k, {}).get(key) if n["eval"] else None,
+                                                        "acc") for n in numbers]])
     best = [n["eval"]["best"] if n["eval"] and n["eval"]["best"] else {} for n in numbers]
     rows.append(["eval best method", *[_fmt(b.get("method")) for b in best]])
     rows.append(["eval best speedup", *[_fmt(b.get("speedup"), "x") for b in best]])
+    rows.append(["eval best speedup per prompt: median [p25, p75]", *[
+        f"{_fmt(b['speedup_median'], 'x')} [{_fmt(b['speedup_p25'], 'x')}, {_fmt(b['speedup_p75'], 'x')}]"
+        if b.get("speedup_median") is not None else "—" for b in best]])
     baseline_names = sorted({name for n in numbers if n["eval"] for name in n["eval"]["baselines"]})
     for name in baseline_names:
         cells = []
@@ -408,6 +393,27 @@ def _plain(value: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _label_axes(axis, xlabel: str, ylabel: str, title: str, ylim: tuple[float, float] | None = None,
+                legend: bool = True) -> None:
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    if ylim is not None:
+        axis.set_ylim(*ylim)
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    if legend:
+        axis.legend(fontsize=8)
+
+
+def _save_figure(fig, path: Path, paths: list[Path]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+
+
 def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -> tuple[list[Path], list[str]]:
     """Returns (PNG paths written, notes about plots skipped)."""
     import matplotlib
@@ -432,23 +438,11 @@ def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -
             if val:
                 any_val = True
                 ax_val.plot(*zip(*val), marker="o", label=run.label)
-        ax_loss.set_xlabel("optimizer step")
-        ax_loss.set_ylabel("train loss")
-        ax_loss.set_title("Train loss")
-        ax_loss.grid(alpha=0.3)
-        ax_loss.legend(fontsize=8)
-        ax_val.set_xlabel("optimizer step")
-        ax_val.set_ylabel("top-1 vs target argmax")
-        ax_val.set_title("Held-out step-1 top-1")
-        ax_val.grid(alpha=0.3)
-        if any_val:
-            ax_val.legend(fontsize=8)
-        else:
+        _label_axes(ax_loss, "optimizer step", "train loss", "Train loss")
+        _label_axes(ax_val, "optimizer step", "top-1 vs target argmax", "Held-out step-1 top-1", legend=any_val)
+        if not any_val:
             ax_val.text(0.5, 0.5, "no validation rows", ha="center", va="center", transform=ax_val.transAxes)
-        fig.tight_layout()
-        paths.append(out_dir / "loss_curves.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        _save_figure(fig, out_dir / "loss_curves.png", paths)
     else:
         skipped.append("loss_curves.png: no run has train rows in metrics.jsonl")
 
@@ -460,16 +454,8 @@ def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -
             ks = [k for k in val if "top1" in val[k]]
             ax.plot(ks, [val[k]["top1"] for k in ks], marker="o", label=run.label)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("unroll step k")
-        ax.set_ylabel("held-out top-1")
-        ax.set_ylim(0, 1)
-        ax.set_title("Held-out accuracy by unroll step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out_dir / "val_top1_by_step.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        _label_axes(ax, "unroll step k", "held-out top-1", "Held-out accuracy by unroll step", ylim=(0, 1))
+        _save_figure(fig, out_dir / "val_top1_by_step.png", paths)
     else:
         skipped.append("val_top1_by_step.png: no run has held-out validation numbers")
 
@@ -493,21 +479,10 @@ def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -
         for axis in (ax_acc, ax_tau):
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax_acc.set_xlim(0.5, longest + 0.5)
-        ax_acc.set_xlabel("draft position")
-        ax_acc.set_ylabel("acceptance rate (unconditional)")
-        ax_acc.set_ylim(0, 1)
-        ax_acc.set_title("Acceptance by position (largest k)")
-        ax_acc.grid(alpha=0.3)
-        ax_acc.legend(fontsize=8)
-        ax_tau.set_xlabel("speculative tokens k")
-        ax_tau.set_ylabel("τ (tokens per target forward)")
-        ax_tau.set_title("τ by k")
-        ax_tau.grid(alpha=0.3)
-        ax_tau.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out_dir / "acceptance_by_position.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        _label_axes(ax_acc, "draft position", "acceptance rate (unconditional)", "Acceptance by position (largest k)",
+                    ylim=(0, 1))
+        _label_axes(ax_tau, "speculative tokens k", "τ (tokens per target forward)", "τ by k")
+        _save_figure(fig, out_dir / "acceptance_by_position.png", paths)
     else:
         skipped.append("acceptance_by_position.png: no run has an eval/report.json (run `mtp-train eval`)")
     return paths, skipped
@@ -553,22 +528,3 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path = DEFAULT_OUT, 
             print(f"compare: skipped {note}")
         print(f"compare: wrote {out / 'compare.md'}, {out / 'compare.json'} and {len(plots)} plot(s) to {out}")
     return result
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "compare",
-        help="compare training runs: recipe differences, losses, held-out accuracy, acceptance",
-        description="Compare run dirs (train.run_dir of `mtp-train train`, plus eval/report.json when `mtp-train "
-        "eval` ran): prints the recipe keys that differ and each run's final loss, held-out top-1 per unroll step, "
-        "τ/α per k and best speedup, training tokens/s; writes compare.md, compare.json and PNG plots.",
-    )
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                   help="run directories (e.g. runs/<name>), or `mtp-train eval --out` directories (report.json)")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
-    p.set_defaults(func=run_compare_cli)
-
-
-def run_compare_cli(args: argparse.Namespace) -> int:
-    compare_runs(args.run_dirs, args.out)
-    return 0

@@ -32,6 +32,10 @@ def _row(cells: list[Any]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def _optional(r: dict[str, Any], key: str, form: str) -> str:
+    return form.format(r[key]) if key in r else ""
+
+
 def _match_cell(r: dict[str, Any]) -> str:
     if "greedy_match" not in r:
         return ""
@@ -55,15 +59,17 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
                  "(k+1 rows) and a decode step (1 row) round differently, so a near-tie can flip and the texts part; "
                  "the logit gap at the first difference shows whether it was a tie. In float32 they are identical.")
     lines += ["", "## Overall", ""]
-    lines.append(_row(["method", "τ (tokens/target fwd)", "α", "acceptance by position", "tokens/s", "speedup",
-                       "greedy match"]))
-    lines.append(_row(["---"] * 7))
+    lines.append(_row(["method", "τ (tokens/target fwd)", "mean acceptance length (tokens/verify)", "α",
+                       "acceptance by position", "tokens/s", "speedup (totals)",
+                       "speedup per prompt: median [p25, p75]", "greedy match"]))
+    lines.append(_row(["---"] * 9))
     for method, r in report["overall"].items():
         lines.append(_row([
-            method, f"{r['tau']:.3f}", f"{r['alpha']:.3f}" if "alpha" in r else "",
-            ", ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", [])),
+            method, f"{r['tau']:.3f}", _optional(r, "mean_acceptance_length", "{:.3f}"),
+            _optional(r, "alpha", "{:.3f}"), ", ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", [])),
             f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}×" if "speedup" in r else "1.00×",
-            _match_cell(r),
+            f"{r['speedup_median']:.2f}× [{r['speedup_p25']:.2f}, {r['speedup_p75']:.2f}]" if "speedup_median" in r
+            else "", _match_cell(r),
         ]))
     if report["per_category"]:
         lines += ["", "## Per category (τ / speedup)", ""]

@@ -9,24 +9,39 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from tqdm import tqdm
 
 from mtp_train.evaluate.prompts import EvalPrompt
 from mtp_train.runtime.chat import encode_chat
 from mtp_train.runtime.generate import generate
 from mtp_train.runtime.sampler import SamplingParams
-from mtp_train.runtime.speculative import speculative_generate
+from mtp_train.runtime.spec import SpecStats, speculative_generate
+
+PLAIN = "plain"
+
+
+@dataclass
+class PromptSpeed:
+    """One method on one prompt (all its turns): tokens generated and the wall time they took."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
 
 
 @dataclass
 class MethodTotals:
-    """Counters of one method over a set of prompts (all categories, or one)."""
+    """One method over a set of prompts (all categories, or one): the engine's own counters summed over the calls
+    (`SpecStats`: τ, α, mean acceptance length, per-position acceptance), the wall time measured around each call
+    (tokens/s and speedup, in total and per prompt) and the greedy comparison with plain decoding."""
 
-    new_tokens: int = 0
+    engine: SpecStats | None = None
     seconds: float = 0.0
-    target_forwards: int = 0  # per sequence, prefill included (τ's denominator)
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
+    per_prompt: dict[int, PromptSpeed] = field(default_factory=dict)  # prompt index -> its turns together
     turns: int = 0
     matched_turns: int = 0  # greedy: turns whose output equals plain decoding's
     # Greedy turns that diverged: the target's logit gap between plain's and this method's token at the first
@@ -35,46 +50,56 @@ class MethodTotals:
     # Later turns whose prompt already differs from plain's (an earlier turn parted): not comparable.
     context_diverged_turns: int = 0
 
-    def add(self, new_tokens, seconds, target_forwards, drafted=None, accepted=None, matched=None, gap=None,
-            context_diverged=False):
-        self.new_tokens += new_tokens
+    def add(self, prompt_index: int, engine: SpecStats, seconds: float, matched: bool | None = None,
+            gap: float | None = None, context_diverged: bool = False) -> None:
+        """One call (one turn of prompt `prompt_index`) with the engine's counters and its wall time."""
+        if self.engine is None:
+            self.engine = SpecStats(engine.schedule, engine.num_speculative_tokens)
+        self.engine.add(engine)
         self.seconds += seconds
-        self.target_forwards += target_forwards
-        if drafted is not None:
-            if not self.drafted_per_position:
-                self.drafted_per_position = [0] * len(drafted)
-                self.accepted_per_position = [0] * len(drafted)
-            self.drafted_per_position = [a + b for a, b in zip(self.drafted_per_position, drafted)]
-            self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, accepted)]
+        speed = self.per_prompt.setdefault(prompt_index, PromptSpeed())
+        speed.tokens += engine.new_tokens
+        speed.seconds += seconds
         self.turns += 1
         self.matched_turns += int(bool(matched))
         if gap is not None:
             self.divergence_gaps.append(gap)
         self.context_diverged_turns += int(context_diverged)
 
-    def summary(self, plain: "MethodTotals | None" = None) -> dict:
-        tokens_per_s = self.new_tokens / self.seconds if self.seconds else 0.0
+    @property
+    def tokens_per_s(self) -> float:
+        return self.engine.new_tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self, plain: MethodTotals | None = None) -> dict:
+        """The report's numbers; with `plain` (plain decoding on the same prompts), the speedup as the ratio of the
+        totals' tokens/s and as the median and quartiles of the per-prompt ratios."""
+        engine = self.engine
         out = {
-            "new_tokens": self.new_tokens,
+            "new_tokens": engine.new_tokens,
             "seconds": round(self.seconds, 3),
-            "tokens_per_s": round(tokens_per_s, 2),
-            "tau": round(self.new_tokens / self.target_forwards, 4) if self.target_forwards else 0.0,
-            "turns": self.turns,
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "tau": round(engine.tau, 4),
         }
-        if self.drafted_per_position:
-            drafted, accepted = sum(self.drafted_per_position), sum(self.accepted_per_position)
-            out["alpha"] = round(accepted / drafted, 4) if drafted else 0.0
-            # Unconditional rate: accepted at position j / drafts at position j.
-            out["acceptance_per_position"] = [
-                round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)
-            ]
+        speculative = engine.num_speculative_tokens > 0
+        if speculative:
+            out["mean_acceptance_length"] = round(engine.committed_per_verify, 4)
+        out["turns"] = self.turns
+        if speculative:
+            out["alpha"] = round(engine.alpha, 4)
+            out["acceptance_per_position"] = [round(a, 4) for a in engine.acceptance_per_position]
             out["greedy_match"] = self.matched_turns == self.turns
             out["matched_turns"] = self.matched_turns
             out["context_diverged_turns"] = self.context_diverged_turns
             if self.divergence_gaps:
                 out["max_divergence_logit_gap"] = round(max(self.divergence_gaps), 4)
         if plain is not None and plain.seconds and self.seconds:
-            out["speedup"] = round(tokens_per_s / (plain.new_tokens / plain.seconds), 4)
+            out["speedup"] = round(self.tokens_per_s / plain.tokens_per_s, 4)
+            ratios = [speed.tokens_per_s / plain.per_prompt[i].tokens_per_s for i, speed in self.per_prompt.items()
+                      if i in plain.per_prompt and plain.per_prompt[i].tokens_per_s > 0]
+            if ratios:
+                p25, median, p75 = np.percentile(ratios, [25, 50, 75])  # linear interpolation
+                out.update(speedup_median=round(float(median), 4), speedup_p25=round(float(p25), 4),
+                           speedup_p75=round(float(p75), 4))
         return out
 
 
@@ -117,7 +142,7 @@ def run_methods(
     show_progress: bool = True,
 ) -> dict[str, dict[str, MethodTotals]]:
     """Returns totals[method][category] (category "all" included); methods: "plain" and "<name>@k=<k>"."""
-    methods = ["plain"] + [f"{name}@k={k}" for name in drafts for k in ks]
+    methods = [PLAIN] + [f"{name}@k={k}" for name in drafts for k in ks]
     totals: dict[str, dict[str, MethodTotals]] = {m: {} for m in methods}
     # Warm-up (kernel selection, allocator) outside the timings.
     warm = _turn_ids(tokenizer, prompts[0], [], 0)[:16]
@@ -127,7 +152,7 @@ def run_methods(
 
     num_turns = sum(1 if p.prompt_ids is not None else len(p.turns) for p in prompts)
     progress = tqdm(total=num_turns * len(methods), desc="eval", unit="gen", disable=not show_progress)
-    for prompt in prompts:
+    for prompt_index, prompt in enumerate(prompts):
         plain_answers: list[list[int]] = []
         plain_prompts: list[list[int]] = []
         for method in methods:
@@ -136,10 +161,12 @@ def run_methods(
             for turn in range(turns):
                 ids = _turn_ids(tokenizer, prompt, answers, turn)
                 start = time.perf_counter()
-                if method == "plain":
+                if method == PLAIN:
                     results, stats = generate(target, [ids], max_new_tokens, sampling, stop_token_ids, seed=seed)
                     seconds = time.perf_counter() - start
-                    record = dict(target_forwards=stats.target_forwards)
+                    # Plain decoding as engine counters (k = 0); batch 1: one target forward per sequence.
+                    record = dict(engine=SpecStats(PLAIN, 0, target_sequence_forwards=stats.target_forwards,
+                                                   new_tokens=stats.new_tokens))
                     plain_answers.append(results[0].token_ids)
                     plain_prompts.append(ids)
                 else:
@@ -151,9 +178,7 @@ def run_methods(
                     same_context = ids == plain_prompts[turn]
                     matched = same_context and results[0].token_ids == plain_answers[turn]
                     record = dict(
-                        target_forwards=stats.target_sequence_forwards,
-                        drafted=stats.drafted_per_position,
-                        accepted=stats.accepted_per_position,
+                        engine=stats,
                         matched=matched,
                         gap=None if matched or not same_context or not sampling.greedy else divergence_gap(
                             target, ids, plain_answers[turn], results[0].token_ids),
@@ -161,8 +186,9 @@ def run_methods(
                     )
                 output = results[0].token_ids
                 for category in ("all", prompt.category):
-                    totals[method].setdefault(category, MethodTotals()).add(len(output), seconds, **record)
-                answers.append(tokenizer.decode([t for t in output if t not in stop_token_ids], skip_special_tokens=True))
+                    totals[method].setdefault(category, MethodTotals()).add(prompt_index, seconds=seconds, **record)
+                reply = [t for t in output if t not in stop_token_ids]
+                answers.append(tokenizer.decode(reply, skip_special_tokens=True))
                 progress.update(1)
     progress.close()
     return totals

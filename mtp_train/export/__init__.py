@@ -9,26 +9,20 @@ The package import is light (no torch) so `mtp-train --help` stays fast; the API
 
 from __future__ import annotations
 
-FORMAT_NAMES = ("native", "deepseek-mtp", "eagle", "speculators")
+import importlib
 
-__all__ = ["FORMAT_NAMES", "export_head", "get_format", "inspect_dir", "load_any_head"]
+FORMAT_NAMES = ("native", "deepseek-mtp", "eagle", "speculators")
+_WHERE = {
+    "export_head": "mtp_train.export.exporter",
+    "get_format": "mtp_train.export.registry",
+    "inspect_dir": "mtp_train.export.inspection",
+    "load_any_head": "mtp_train.export.load",
+}
+
+__all__ = ["FORMAT_NAMES", *_WHERE]
 
 
 def __getattr__(name: str):
-    if name == "export_head":
-        from mtp_train.export.exporter import export_head
-
-        return export_head
-    if name == "get_format":
-        from mtp_train.export.registry import get_format
-
-        return get_format
-    if name == "inspect_dir":
-        from mtp_train.export.inspection import inspect_dir
-
-        return inspect_dir
-    if name == "load_any_head":
-        from mtp_train.export.load import load_any_head
-
-        return load_any_head
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name]), name)

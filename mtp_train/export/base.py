@@ -1,4 +1,12 @@
-"""The interface every export format implements, and the checks shared by `inspect` and `load_any_head`."""
+"""`ExportFormat`: one serving format described once, and everything derived from that description.
+
+A format module declares (class attributes): the head kinds it represents, the tensor-name map between DraftHead's
+native names and its own (`renames`, plus `frozen`: the target tensors it stores), how a reduced draft vocabulary
+travels (`draft_vocab`), what it refuses, its required config.json fields; and writes its config.json
+(`config_json`) and reads back what the head's layout is (`layout`). Writing (`build`), the expected names and
+shapes (`expected_tensors`), reading back to native names (`to_native`) and the checks against a target
+(`target_problems`, built on the one check `heads.io.target_mismatches`) derive from those. Hooks for what is truly
+format-specific default to nothing."""
 
 from __future__ import annotations
 
@@ -11,11 +19,17 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.export.common import (
     BLOCK_KEY,
-    TENSOR_DTYPE_NAMES,
+    CONFIG_FILENAME,
+    DRAFT_VOCAB_TENSORS,
+    WEIGHTS_FILENAME,
     LayerShape,
-    TargetInfo,
+    Target,
+    declared_draft_vocab,
+    draft_vocab_size_of,
+    native_tensors,
 )
 from mtp_train.heads.config import HeadConfig
+from mtp_train.heads.io import target_mismatches
 
 _MISSING = object()
 
@@ -30,44 +44,8 @@ def get_path(data: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def missing_fields(config: dict[str, Any], fields: list[str]) -> list[str]:
+def missing_fields(config: dict[str, Any], fields: tuple[str, ...]) -> list[str]:
     return [name for name in fields if get_path(config, name) is _MISSING]
-
-
-@dataclass
-class TargetView:
-    """The facts about a target that format checks compare against."""
-
-    model_type: str
-    hidden_size: int
-    vocab_size: int
-    num_hidden_layers: int
-    architectures: list[str]
-    fingerprint: str | None
-    config: Any  # runtime ModelConfig
-    shape: LayerShape
-
-    @staticmethod
-    def of(target: Any) -> "TargetView":
-        """From a `TargetInfo` or a loaded `CausalLM`."""
-        if isinstance(target, TargetInfo):
-            raw, config, fingerprint = target.raw, target.config, target.fingerprint
-        else:  # CausalLM
-            config = target.config
-            hf = config.hf_config
-            raw = hf.to_dict() if hf is not None else {}
-            raw.setdefault("model_type", config.model_type)
-            fingerprint = target.fingerprint
-        return TargetView(
-            model_type=config.model_type,
-            hidden_size=config.hidden_size,
-            vocab_size=config.vocab_size,
-            num_hidden_layers=config.num_hidden_layers,
-            architectures=list(raw.get("architectures") or []),
-            fingerprint=fingerprint,
-            config=config,
-            shape=LayerShape.from_hf_dict({**raw, "model_type": config.model_type}, "target config"),
-        )
 
 
 @dataclass
@@ -87,146 +65,243 @@ class Report:
 
 
 class ExportFormat:
-    """One serving format. Subclasses set `name`, `kinds` and implement the hooks below."""
+    """One serving format. A subclass sets the description below and implements `config_json`, `detect` and
+    `layout`; the other hooks are optional."""
 
     name: str = ""
-    kinds: tuple[str, ...] = ()  # head kinds this format can represent faithfully
-    frozen_in_file: bool = False  # whether the target's embed_tokens / lm_head are written (and thus need --target)
     description: str = ""
+    kinds: tuple[str, ...] = ()  # head kinds this format represents faithfully
+    # (native name prefix, format name prefix), first match wins in both directions ("{L}": the exported config's
+    # num_hidden_layers). ("", "") keeps every name.
+    renames: tuple[tuple[str, str], ...] = (("", ""),)
+    # Target tensors the layout stores (written from --target, compared with the target's on load): "embed_tokens" /
+    # "lm_head" -> format name.
+    frozen: dict[str, str] = {}
+    max_layers: int | None = None  # the most decoder layers the layout holds (None: any)
+    # How a reduced draft vocabulary travels: "tensors" (d2t/t2d in model.safetensors), "file" (the format's own
+    # file, see `extra_files`/`complete_native`) or None (refused: `no_draft_vocab` says why).
+    draft_vocab: str | None = None
+    no_draft_vocab: str = ""
+    block_types: dict[str, str] | None = None  # model_type -> the engine class for that block (None: any block)
+    kind_refusal: str = ""  # why another kind is refused; "{alternatives}": the formats that carry the head
+    layers_refusal: str = ""  # why more than `max_layers` layers are refused; "{n}": the head's layers
+    draft_vocab_alternatives: str = ""  # what to use instead for a reduced draft vocabulary
+    required_fields: tuple[str, ...] = ()  # config.json fields (dotted paths) a file of this format must have
 
-    # ---- export ---------------------------------------------------------------------------------------------------
+    # ---- what each format declares in code --------------------------------------------------------------------------
 
-    def refuse_reason(self, head_config: HeadConfig, target: TargetInfo) -> str | None:
-        """Why this head cannot be written faithfully (naming what would be lost), or None."""
+    def config_json(
+        self, head_config: HeadConfig, target: Target, dtype: torch.dtype, options: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The config.json written for the head."""
         raise NotImplementedError
+
+    def detect(self, config: dict[str, Any], names: set[str], directory: Path) -> bool:
+        raise NotImplementedError
+
+    def layout(self, config: dict[str, Any], directory: Path) -> tuple[str, int, LayerShape]:
+        """(head kind, decoder layers, layer shape) that an exported config.json describes (fields present)."""
+        raise NotImplementedError
+
+    # ---- optional hooks ----------------------------------------------------------------------------------------------
+
+    def extra_files(self, state: dict[str, torch.Tensor], head_config: HeadConfig) -> dict[str, Any]:
+        """Files besides model.safetensors and config.json: {name: JSON content, or bytes written as they are}."""
+        return {}
+
+    def adjust_expected(self, config: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:
+        """Config options that add or remove tensors beyond the mapped native layout."""
+
+    def format_problems(self, config: dict[str, Any], directory: Path) -> list[str]:
+        """Format-specific consistency checks of the files themselves."""
+        return []
+
+    def format_target_problems(self, config: dict[str, Any], target: Target) -> list[str]:
+        """Format-specific mismatches with a target (the shared ones are in `target_problems`)."""
+        return []
+
+    def target_fields(self, config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """(the part of config.json that records target facts, its path prefix) for `target_mismatches`."""
+        return config, ""
+
+    def read_head_config(self, config: dict[str, Any], directory: Path) -> HeadConfig:
+        block = config.get(BLOCK_KEY)
+        source = str(directory / CONFIG_FILENAME)
+        if not isinstance(block, dict) or "head_config" not in block:
+            raise UserError(f"{source}: no {BLOCK_KEY}.head_config (not exported by mtp-train export)")
+        return HeadConfig.from_dict(block["head_config"], source=f"{source} {BLOCK_KEY}.head_config")
+
+    def complete_native(
+        self, native: dict[str, torch.Tensor], head_config: HeadConfig, config: dict[str, Any], directory: Path
+    ) -> None:
+        """Add to a read-back native state dict what the layout keeps elsewhere or implies."""
+
+    # ---- derived: names ----------------------------------------------------------------------------------------------
+
+    def _renames(self, config: dict[str, Any]) -> list[tuple[str, str]]:
+        L = config.get("num_hidden_layers")
+        return [(native, fmt.format(L=L)) for native, fmt in self.renames]
+
+    def _frozen_names(self, config: dict[str, Any]) -> dict[str, str]:
+        return {key: name.format(L=config.get("num_hidden_layers")) for key, name in self.frozen.items()}
+
+    def format_name(self, native_name: str, config: dict[str, Any]) -> str:
+        for native, fmt in self._renames(config):
+            if native_name.startswith(native):
+                return fmt + native_name[len(native) :]
+        raise AssertionError(f"format {self.name} has no name for {native_name}")  # refuse_reason rules it out
+
+    def native_name(self, format_name: str, config: dict[str, Any]) -> str | None:
+        for native, fmt in sorted(self._renames(config), key=lambda rule: -len(rule[1])):
+            if format_name.startswith(fmt):
+                return native + format_name[len(fmt) :]
+        return None
+
+    # ---- derived: export ---------------------------------------------------------------------------------------------
+
+    def refuse_reason(self, head_config: HeadConfig, target: Target) -> str | None:
+        """Why this head cannot be written faithfully (naming what would be lost), or None."""
+        if head_config.kind not in self.kinds:
+            return self.kind_refusal.format(alternatives=self._alternatives(head_config))
+        if self.max_layers is not None and head_config.num_layers > self.max_layers:
+            return self.layers_refusal.format(n=head_config.num_layers)
+        if head_config.draft_vocab_size is not None and self.draft_vocab is None:
+            return (
+                f"a head with a reduced draft vocabulary ({head_config.draft_vocab_size} of the target's "
+                f"{head_config.vocab_size} tokens, d2t/t2d) cannot be written as {self.name}: {self.no_draft_vocab}, so "
+                f"the draft vocabulary would be lost (the head would draft over all {head_config.vocab_size} tokens); "
+                f"use {self.draft_vocab_alternatives}"
+            )
+        return self._block_refusal(target.config)
+
+    def _alternatives(self, head_config: HeadConfig) -> str:
+        """The engine formats that carry this head (its kind, its draft vocabulary), then native."""
+        from mtp_train.export.registry import FORMATS
+
+        others = [
+            fmt.name
+            for fmt in FORMATS.values()
+            if fmt.name != "native"
+            and head_config.kind in fmt.kinds
+            and (head_config.draft_vocab_size is None or fmt.draft_vocab is not None)
+        ]
+        return f"{', '.join(others)} or native" if others else "native"
+
+    def _block_refusal(self, config) -> str | None:
+        """Why the target's decoder block has no counterpart in the engines' classes for this format, or None."""
+        if self.block_types is None:
+            return None
+        if config.model_type not in self.block_types:
+            return (
+                f"format {self.name} has no EAGLE-1 loader for model_type {config.model_type!r} "
+                f"(supported: {', '.join(sorted(self.block_types))}); the head's block (e.g. Qwen3's q_norm/k_norm) "
+                "would be lost; use --format native"
+            )
+        if config.sliding_window is not None:
+            return (
+                f"the target attends within a sliding window of {config.sliding_window} tokens; the engines' Llama "
+                f"block in format {self.name} has no window, so the head's attention pattern would be lost; use "
+                "--format native"
+            )
+        return None
 
     def build(
         self,
         state: dict[str, torch.Tensor],
         head_config: HeadConfig,
-        target: TargetInfo,
+        target: Target,
         dtype: torch.dtype,
         options: dict[str, Any],
-    ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-        """(tensors for model.safetensors, {file name: JSON content, or bytes written as they are})."""
-        raise NotImplementedError
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors for model.safetensors, {file name: JSON content, or bytes written as they are}). Floating-point
+        tensors are cast to `dtype`; d2t (int64) / t2d (bool) keep theirs."""
+        config = self.config_json(head_config, target, dtype, options)
+        tensors = {
+            self.format_name(name, config): tensor
+            for name, tensor in state.items()
+            if self.draft_vocab == "tensors" or name not in DRAFT_VOCAB_TENSORS
+        }
+        if self.frozen:
+            stored = target.frozen_tensors()
+            tensors.update({name: stored[key] for key, name in self._frozen_names(config).items()})
+        tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+        return tensors, {CONFIG_FILENAME: config, **self.extra_files(state, head_config)}
 
-    # ---- reading back ---------------------------------------------------------------------------------------------
-
-    def detect(self, config: dict[str, Any], names: set[str], directory: Path) -> bool:
-        raise NotImplementedError
-
-    def required_fields(self, config: dict[str, Any]) -> list[str]:
-        raise NotImplementedError
+    # ---- derived: reading back ---------------------------------------------------------------------------------------
 
     def expected_tensors(self, config: dict[str, Any], directory: Path) -> dict[str, tuple[int, ...]]:
-        """Name -> shape from the exported config alone (fields already checked present)."""
-        raise NotImplementedError
+        """Name -> shape from the exported config alone (required fields already checked present)."""
+        kind, num_layers, shape = self.layout(config, directory)
+        draft_vocab_size = draft_vocab_size_of(config) if self.draft_vocab == "tensors" else None
+        expected = {
+            self.format_name(name, config): dims
+            for name, dims in native_tensors(kind, num_layers, shape, draft_vocab_size).items()
+        }
+        for name in self._frozen_names(config).values():
+            expected[name] = (shape.vocab_size, shape.hidden_size)
+        self.adjust_expected(config, expected)
+        return expected
 
-    def extra_problems(self, config: dict[str, Any], directory: Path) -> list[str]:
-        """Format-specific consistency checks of the files themselves."""
-        return []
+    def problems(self, config: dict[str, Any], directory: Path) -> list[str]:
+        """Consistency checks of the files beyond names and shapes."""
+        problems = self.format_problems(config, directory)
+        if self.draft_vocab is None:
+            declared = declared_draft_vocab(config)
+            if declared:
+                listed = ", ".join(f"{key}={value!r}" for key, value in declared.items())
+                problems.append(
+                    f"{directory / CONFIG_FILENAME}: {listed}, but format {self.name} cannot carry a reduced draft "
+                    f"vocabulary ({self.no_draft_vocab})"
+                )
+        return problems
 
-    def target_problems(self, config: dict[str, Any], target: TargetView) -> list[str]:
-        """Mismatches between the exported config and a target."""
-        return []
+    def target_problems(self, config: dict[str, Any], target: Target) -> list[str]:
+        """Mismatches between the exported config and a target: the recorded head config, the format's own target
+        fields, the layer shape, and the format's specifics."""
+        source = CONFIG_FILENAME
+        block = config.get(BLOCK_KEY) or {}
+        head = dict(block.get("head_config") or {})
+        head["target_fingerprint"] = block.get("target_fingerprint") or head.get("target_fingerprint")
+        problems = target_mismatches(head, target.config, target.fingerprint, source, f"{BLOCK_KEY}.head_config.")
+        fields, prefix = self.target_fields(config)
+        problems += target_mismatches(fields, target.config, target.fingerprint, source, prefix)
+        try:
+            ours = self.layout(config, Path("."))[2].to_dict()
+        except UserError as err:
+            return problems + [str(err)]
+        theirs = target.shape.to_dict()
+        diff = sorted(key for key in ours if key != "model_type" and ours[key] != theirs[key])  # model_type: above
+        if diff:
+            problems.append(f"{source}: layer shape differs from the target's in {', '.join(diff)}")
+        return problems + self.format_target_problems(config, target)
 
     def to_native(
         self, tensors: dict[str, torch.Tensor], config: dict[str, Any], directory: Path
     ) -> tuple[dict[str, torch.Tensor], HeadConfig, dict[str, torch.Tensor]]:
         """(native state dict, head config, frozen tensors found in the file: {"embed_tokens", "lm_head"})."""
-        raise NotImplementedError
-
-    # ---- shared helpers -------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def head_config_of(config: dict[str, Any], source: str) -> HeadConfig:
-        block = config.get(BLOCK_KEY)
-        if not isinstance(block, dict) or "head_config" not in block:
-            raise UserError(f"{source}: no {BLOCK_KEY}.head_config (not exported by mtp-train export)")
-        return HeadConfig.from_dict(block["head_config"], source=f"{source} {BLOCK_KEY}.head_config")
-
-    @staticmethod
-    def common_target_problems(config: dict[str, Any], target: TargetView, source: str) -> list[str]:
-        """hidden/vocab/model_type/fingerprint of the recorded head config against the target."""
-        problems = []
-        block = config.get(BLOCK_KEY) or {}
-        head = block.get("head_config") or {}
-        for key in ("hidden_size", "vocab_size", "model_type"):
-            if key in head and head[key] != getattr(target, key):
-                problems.append(
-                    f"{source}: {BLOCK_KEY}.head_config.{key}={head[key]!r} but the target has {key}={getattr(target, key)!r}"
-                )
-        recorded = block.get("target_fingerprint") or head.get("target_fingerprint")
-        if recorded and target.fingerprint and recorded != target.fingerprint:
-            problems.append(
-                f"{source}: {BLOCK_KEY}.target_fingerprint {recorded!r} does not match the target's {target.fingerprint!r} "
-                "(exported for a different target)"
+        source = directory / CONFIG_FILENAME
+        head_config = self.read_head_config(config, directory)
+        kind, num_layers, _ = self.layout(config, directory)
+        if (head_config.kind, head_config.num_layers) != (kind, num_layers):
+            raise UserError(
+                f"{source}: {BLOCK_KEY}.head_config says kind={head_config.kind!r}, num_layers="
+                f"{head_config.num_layers}; this {self.name} export holds a {kind} head with {num_layers} layer(s)"
             )
-        return problems
-
-    @staticmethod
-    def dtype_problems(config: dict[str, Any], tensors: dict[str, tuple[tuple[int, ...], str]], key: str, source: str) -> list[str]:
-        """`config[key]` (torch_dtype) against the floating-point tensors (d2t/t2d keep int64/bool; checked apart)."""
-        declared = config.get(key)
-        found = sorted({dtype for name, (_, dtype) in tensors.items() if name not in ("d2t", "t2d")})
-        if declared is None or not found:
-            return []
-        if found != [declared]:
-            return [f"{source}: {key}={declared!r} but the tensors are {', '.join(found)}"]
-        return []
-
-
-def layer_shape_problems(config: dict, target, source: str) -> list[str]:
-    try:
-        shape = LayerShape.from_hf_dict(config, source)
-    except UserError as err:
-        return [str(err)]
-    ours, theirs = shape.to_dict(), target.shape.to_dict()
-    ours["model_type"] = theirs["model_type"]  # compared separately (an engine config may rename it)
-    diff = sorted(k for k in ours if ours[k] != theirs[k])
-    return [f"{source}: layer shape differs from the target's in {', '.join(diff)}"] if diff else []
-
-
-def dtype_name(tensor: torch.Tensor) -> str:
-    return TENSOR_DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
-
-
-def declared_draft_vocab(config: dict[str, Any]) -> dict[str, Any]:
-    """The draft vocabulary sizes an exported config.json declares: its top-level `draft_vocab_size` and its
-    `mtp_train.head_config.draft_vocab_size`, each only when present and not null."""
-    block = config.get(BLOCK_KEY) if isinstance(config.get(BLOCK_KEY), dict) else {}
-    head = block.get("head_config") if isinstance(block.get("head_config"), dict) else {}
-    found = {
-        "draft_vocab_size": config.get("draft_vocab_size"),
-        f"{BLOCK_KEY}.head_config.draft_vocab_size": head.get("draft_vocab_size"),
-    }
-    return {key: value for key, value in found.items() if value is not None}
-
-
-def draft_vocab_size_of(config: dict[str, Any]) -> int | None:
-    """N for a format that carries a draft vocabulary (None = the full vocabulary): the top-level `draft_vocab_size`,
-    which must equal `mtp_train.head_config.draft_vocab_size` and lie in [1, vocab_size]; a UserError otherwise."""
-    declared = declared_draft_vocab(config)
-    top = declared.get("draft_vocab_size")
-    recorded = declared.get(f"{BLOCK_KEY}.head_config.draft_vocab_size")
-    if top != recorded:
-        raise UserError(
-            f"draft_vocab_size={top!r} but {BLOCK_KEY}.head_config.draft_vocab_size={recorded!r} (both must name the "
-            "same draft vocabulary, or both be absent/null for the full vocabulary)"
-        )
-    if top is None:
-        return None
-    vocab = config.get("vocab_size")
-    if not isinstance(top, int) or isinstance(top, bool) or not (isinstance(vocab, int) and 1 <= top <= vocab):
-        raise UserError(f"draft_vocab_size={top!r}; expected an integer between 1 and vocab_size={vocab!r}")
-    return top
-
-
-def no_draft_vocab_problems(config: dict[str, Any], format_name: str, why: str, source: str) -> list[str]:
-    """For a format whose loaders have no draft vocabulary: a problem naming any declared one."""
-    declared = declared_draft_vocab(config)
-    if not declared:
-        return []
-    listed = ", ".join(f"{key}={value!r}" for key, value in declared.items())
-    return [f"{source}: {listed}, but format {format_name} cannot carry a reduced draft vocabulary ({why})"]
+        if head_config.draft_vocab_size is not None and self.draft_vocab is None:
+            raise UserError(
+                f"{source}: {BLOCK_KEY}.head_config.draft_vocab_size={head_config.draft_vocab_size}; a {self.name} "
+                f"export cannot carry a reduced draft vocabulary ({self.no_draft_vocab})"
+            )
+        frozen_keys = {name: key for key, name in self._frozen_names(config).items()}
+        native: dict[str, torch.Tensor] = {}
+        frozen: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            native_name = self.native_name(name, config)
+            if name in frozen_keys:
+                frozen[frozen_keys[name]] = tensor
+            elif native_name is None:
+                raise UserError(f"{directory / WEIGHTS_FILENAME}: unexpected tensor {name}")
+            else:
+                native[native_name] = tensor
+        self.complete_native(native, head_config, config, directory)
+        return native, head_config, frozen

@@ -1,5 +1,5 @@
-"""Shared pieces of the export formats: the target summary, layer shapes from a config, reading a native head
-against a target, atomic directory writes, and the config block every exported format carries.
+"""Shared pieces of the export formats: the target, a decoder layer's shapes, the native layout, safetensors reading
+and writing, the draft-vocabulary helpers and the config block every exported format carries.
 
 Conventions (see docs/export.md):
 - Every format is a directory holding `model.safetensors` and `config.json` (native also keeps `head_config.json`).
@@ -16,19 +16,18 @@ Conventions (see docs/export.md):
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mtp_train.errors import UserError
+from mtp_train.fileio import atomic_write_bytes, read_json_object, staged_directory
 from mtp_train.heads.config import HeadConfig
-from mtp_train.heads.io import check_state_shapes
+from mtp_train.runtime.config import ModelConfig
+from mtp_train.runtime.precision import TORCH_DTYPES
 
 FORMAT_VERSION = 1
 WEIGHTS_FILENAME = "model.safetensors"
@@ -37,14 +36,13 @@ HEAD_CONFIG_FILENAME = "head_config.json"
 BLOCK_KEY = "mtp_train"
 # config.json fields every engine-format export carries: the layer shape engines build the draft block from, plus
 # our own block (head config and the hidden state the head reads).
-ENGINE_CONFIG_FIELDS = [
+ENGINE_CONFIG_FIELDS = (
     "architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
     "num_key_value_heads", "vocab_size", "rms_norm_eps", "num_hidden_layers",
     f"{BLOCK_KEY}.head_config", f"{BLOCK_KEY}.hidden_state_input",
-]
+)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # torch dtype -> config.json's torch_dtype
 # safetensors dtype strings (as `get_dtype()` reports them) -> our names.
 SAFETENSORS_DTYPES = {
     "F32": "float32", "BF16": "bfloat16", "F16": "float16",
@@ -52,33 +50,27 @@ SAFETENSORS_DTYPES = {
 }
 # The draft-vocabulary tensors (heads.vocab), under the names vLLM/SGLang/speculators read for EAGLE-3, and their dtypes.
 DRAFT_VOCAB_TENSORS = {"d2t": "int64", "t2d": "bool"}
-TENSOR_DTYPE_NAMES = {**DTYPE_NAMES, torch.int64: "int64", torch.bool: "bool"}
 
 # What the head reads and feeds back, recorded in every exported config.
 HIDDEN_STATE_INPUT = "final_norm_output"  # H_i: the target's last decoder layer after its final norm
 FEEDBACK = {"mtp": "post_norm_output", "eagle1": "raw_layer_output"}
 
-# Lost when an MTP head (restored norms) is written into a layout without them.
-MTP_NORMS_LOST = (
-    "enorm (RMSNorm on embed(t)), hnorm (RMSNorm on the hidden state), layers.0.input_layernorm and the final "
-    "norm (norm.weight)"
-)
-
 
 def parse_dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
-    if name not in DTYPES:
-        raise UserError(f"--dtype {name!r} is not supported; expected one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    if name not in TORCH_DTYPES:
+        raise UserError(f"--dtype {name!r} is not supported; expected one of {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
 
 
-# ---- layer shapes ---------------------------------------------------------------------------------------------------
+# ---- layer shapes and the native layout -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class LayerShape:
-    """The shapes of one decoder layer of the target's architecture (what a head layer copies)."""
+    """The shapes of one decoder layer of the target's architecture (what a head layer copies); native's config.json
+    records it as `layer`."""
 
     model_type: str
     hidden_size: int
@@ -93,30 +85,20 @@ class LayerShape:
     qk_norm: bool = False  # Qwen3
 
     @staticmethod
-    def from_hf_dict(config: dict[str, Any], source: str) -> "LayerShape":
-        """From a HF-style config dict, with the same rules as `runtime.config.load_config`."""
-        missing = [
-            key
-            for key in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
-            if key not in config
-        ]
-        if missing:
-            raise UserError(f"{source}: missing field(s) {', '.join(missing)}")
-        model_type = config["model_type"]
-        heads = int(config["num_attention_heads"])
-        attention_bias = bool(config.get("attention_bias", False))
+    def of(config: ModelConfig) -> "LayerShape":
+        """From the runtime's parsed config (`runtime.config.load_config` / `config_from_dict`)."""
         return LayerShape(
-            model_type=model_type,
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-            vocab_size=int(config["vocab_size"]),
-            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
-            o_proj_bias=model_type in ("llama", "qwen3") and attention_bias,
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            model_type=config.model_type,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            vocab_size=config.vocab_size,
+            qkv_bias=config.attention_bias,
+            o_proj_bias=config.o_proj_bias,
+            mlp_bias=config.mlp_bias,
+            qk_norm=config.qk_norm,
         )
 
     def block_tensors(self, with_input_norm: bool) -> dict[str, tuple[int, ...]]:
@@ -150,6 +132,21 @@ class LayerShape:
         return asdict(self)
 
 
+# The fields of an HF-style config that shape one decoder layer.
+LAYER_FIELDS = (
+    "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "vocab_size", "attention_bias", "mlp_bias",
+)
+
+
+def layer_shape_from_config(config: dict[str, Any], source: str) -> LayerShape:
+    """The layer shape of an HF-style config dict (an engine export's config.json), parsed by the runtime from the
+    fields that shape a layer (the others, e.g. `layer_types` sized for the whole target, are not the head's)."""
+    from mtp_train.runtime.config import config_from_dict
+
+    return LayerShape.of(config_from_dict({k: config[k] for k in LAYER_FIELDS if k in config}, source))
+
+
 def native_tensors(
     kind: str, num_layers: int, shape: LayerShape, draft_vocab_size: int | None = None
 ) -> dict[str, tuple[int, ...]]:
@@ -172,25 +169,140 @@ def native_tensors(
     return out
 
 
-def cast_floating(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Floating-point tensors in `dtype`; integer/bool ones (d2t, t2d) unchanged."""
-    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+# ---- the target -----------------------------------------------------------------------------------------------------
 
 
-def draft_ids_of(state: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The [N] target ids of a native state dict's draft vocabulary (from its d2t)."""
-    from mtp_train.heads.vocab import ids_from_d2t
+@dataclass(frozen=True)
+class Target:
+    """The target a head is checked against and exported for: the runtime's parsed config and the fingerprint (what
+    a loaded `CausalLM` also carries), plus, for a model directory, its config.json as stored (engine configs start
+    from it) and the directory (frozen tensors, the speculators verifier path)."""
 
-    return ids_from_d2t(state["d2t"])
+    config: ModelConfig
+    fingerprint: str | None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    directory: Path | None = None
+
+    @staticmethod
+    def from_directory(directory: str | os.PathLike[str]) -> "Target":
+        """A target model directory, without loading its weights."""
+        from mtp_train.fingerprint import target_fingerprint
+        from mtp_train.runtime.config import load_config
+
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise UserError(f"{directory}: target model directory not found")
+        config = load_config(directory)
+        raw = read_json_object(directory / CONFIG_FILENAME, "target config")
+        return Target(config, target_fingerprint(directory), raw, directory)
+
+    @staticmethod
+    def of(target: Any) -> "Target":
+        """A `Target` as is, or the one of a loaded `CausalLM`."""
+        if isinstance(target, Target):
+            return target
+        hf = target.config.hf_config
+        return Target(target.config, target.fingerprint, hf.to_dict() if hf is not None else {})
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(self.raw.get("architectures") or [])
+
+    @property
+    def shape(self) -> LayerShape:
+        return LayerShape.of(self.config)
+
+    def frozen_tensors(self) -> dict[str, torch.Tensor]:
+        """{"embed_tokens": [V, d], "lm_head": [V, d]} as stored; lm_head = embed_tokens when the embeddings are tied."""
+        from safetensors import safe_open
+
+        from mtp_train.runtime.loader import _weight_files
+
+        wanted = {"model.embed_tokens.weight": None, "lm_head.weight": None}
+        for path in _weight_files(self.directory):
+            with safe_open(str(path), framework="pt") as f:
+                for key in wanted:
+                    if wanted[key] is None and key in f.keys():
+                        wanted[key] = f.get_tensor(key)
+        embed, lm_head = wanted["model.embed_tokens.weight"], wanted["lm_head.weight"]
+        if embed is None:
+            raise UserError(f"{self.directory}: no model.embed_tokens.weight in the target's safetensors")
+        if self.config.tie_word_embeddings or lm_head is None:
+            if lm_head is None and not self.config.tie_word_embeddings:
+                raise UserError(f"{self.directory}: no lm_head.weight in the target's safetensors")
+            lm_head = embed
+        return {"embed_tokens": embed, "lm_head": lm_head}
+
+    def engine_config(self, dtype: torch.dtype) -> dict[str, Any]:
+        """The target's config.json as a base for an engine config: volatile keys dropped, `torch_dtype`/`dtype` set to
+        the export dtype, and `rope_theta`/`rope_scaling` spelled out next to transformers 5's `rope_parameters` (vLLM
+        and SGLang read the former)."""
+        raw = {k: v for k, v in self.raw.items() if k not in ("_name_or_path", "_model_name_or_path", "transformers_version")}
+        params = raw.get("rope_parameters")
+        if isinstance(params, dict):
+            if "rope_theta" not in raw and "rope_theta" in params:
+                raw["rope_theta"] = params["rope_theta"]
+            if "rope_scaling" not in raw:
+                scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+                rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+                raw["rope_scaling"] = None if rope_type == "default" else scaling
+        raw["torch_dtype"] = raw["dtype"] = DTYPE_NAMES[dtype]
+        return raw
 
 
-def draft_vocab_lost(head_config: HeadConfig, format_name: str, why: str, alternatives: str) -> str:
-    """The refusal of a reduced-vocabulary head by a format whose loaders have no draft vocabulary."""
-    return (
-        f"a head with a reduced draft vocabulary ({head_config.draft_vocab_size} of the target's "
-        f"{head_config.vocab_size} tokens, d2t/t2d) cannot be written as {format_name}: {why}, so the draft "
-        f"vocabulary would be lost (the head would draft over all {head_config.vocab_size} tokens); use {alternatives}"
-    )
+# ---- safetensors ----------------------------------------------------------------------------------------------------
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype name) without reading the tensor data."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise UserError(f"{path}: not found")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            out = {}
+            for key in f.keys():
+                piece = f.get_slice(key)
+                dtype = piece.get_dtype()
+                out[key] = (tuple(int(n) for n in piece.get_shape()), SAFETENSORS_DTYPES.get(dtype, dtype))
+            return out
+    except Exception as err:
+        raise UserError(f"{path}: could not read safetensors ({err})") from None
+
+
+# ---- the draft vocabulary -------------------------------------------------------------------------------------------
+
+
+def declared_draft_vocab(config: dict[str, Any]) -> dict[str, Any]:
+    """The draft vocabulary sizes an exported config.json declares: its top-level `draft_vocab_size` and its
+    `mtp_train.head_config.draft_vocab_size`, each only when present and not null."""
+    block = config.get(BLOCK_KEY) if isinstance(config.get(BLOCK_KEY), dict) else {}
+    head = block.get("head_config") if isinstance(block.get("head_config"), dict) else {}
+    found = {
+        "draft_vocab_size": config.get("draft_vocab_size"),
+        f"{BLOCK_KEY}.head_config.draft_vocab_size": head.get("draft_vocab_size"),
+    }
+    return {key: value for key, value in found.items() if value is not None}
+
+
+def draft_vocab_size_of(config: dict[str, Any]) -> int | None:
+    """N for a format that carries a draft vocabulary (None = the full vocabulary): the top-level `draft_vocab_size`,
+    which must equal `mtp_train.head_config.draft_vocab_size` and lie in [1, vocab_size]; a UserError otherwise."""
+    declared = declared_draft_vocab(config)
+    top = declared.get("draft_vocab_size")
+    recorded = declared.get(f"{BLOCK_KEY}.head_config.draft_vocab_size")
+    if top != recorded:
+        raise UserError(
+            f"draft_vocab_size={top!r} but {BLOCK_KEY}.head_config.draft_vocab_size={recorded!r} (both must name the "
+            "same draft vocabulary, or both be absent/null for the full vocabulary)"
+        )
+    if top is None:
+        return None
+    vocab = config.get("vocab_size")
+    if not isinstance(top, int) or isinstance(top, bool) or not (isinstance(vocab, int) and 1 <= top <= vocab):
+        raise UserError(f"draft_vocab_size={top!r}; expected an integer between 1 and vocab_size={vocab!r}")
+    return top
 
 
 def draft_vocab_tensor_problems(
@@ -223,163 +335,7 @@ def draft_vocab_tensor_problems(
     return problems
 
 
-# ---- the target -----------------------------------------------------------------------------------------------------
-
-
-class TargetInfo:
-    """What export needs from a target directory without loading the whole model: its parsed and raw config, its
-    fingerprint, its layer shape, and (on request) its frozen embed_tokens / lm_head tensors."""
-
-    def __init__(self, directory: str | os.PathLike[str]):
-        from mtp_train.runtime.config import load_config
-
-        self.directory = Path(directory)
-        if not self.directory.is_dir():
-            raise UserError(f"{self.directory}: target model directory not found")
-        self.config = load_config(self.directory)
-        self.raw: dict[str, Any] = json.loads((self.directory / CONFIG_FILENAME).read_text())
-        self.shape = LayerShape.from_hf_dict(self.raw, str(self.directory / CONFIG_FILENAME))
-        self._fingerprint: str | None = None
-
-    @property
-    def fingerprint(self) -> str:
-        if self._fingerprint is None:
-            from mtp_train.fingerprint import target_fingerprint
-
-            self._fingerprint = target_fingerprint(self.directory)
-        return self._fingerprint
-
-    @property
-    def architectures(self) -> list[str]:
-        return list(self.raw.get("architectures") or [])
-
-    def frozen_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(embed_tokens [V, d], lm_head [V, d]) as stored; lm_head = embed_tokens when the embeddings are tied."""
-        from safetensors import safe_open
-
-        from mtp_train.runtime.loader import _weight_files
-
-        wanted = {"model.embed_tokens.weight": None, "lm_head.weight": None}
-        for path in _weight_files(self.directory):
-            with safe_open(str(path), framework="pt") as f:
-                for key in wanted:
-                    if wanted[key] is None and key in f.keys():
-                        wanted[key] = f.get_tensor(key)
-        embed, lm_head = wanted["model.embed_tokens.weight"], wanted["lm_head.weight"]
-        if embed is None:
-            raise UserError(f"{self.directory}: no model.embed_tokens.weight in the target's safetensors")
-        if self.config.tie_word_embeddings or lm_head is None:
-            if lm_head is None and not self.config.tie_word_embeddings:
-                raise UserError(f"{self.directory}: no lm_head.weight in the target's safetensors")
-            lm_head = embed
-        return embed, lm_head
-
-
-def engine_config_from_target(target: TargetInfo, dtype: torch.dtype) -> dict[str, Any]:
-    """The target's config.json as a base for an engine config: volatile keys dropped, `torch_dtype`/`dtype` set to
-    the export dtype, and `rope_theta`/`rope_scaling` spelled out next to transformers 5's `rope_parameters` (vLLM
-    and SGLang read the former)."""
-    raw = {k: v for k, v in target.raw.items() if k not in ("_name_or_path", "_model_name_or_path", "transformers_version")}
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict):
-        if "rope_theta" not in raw and "rope_theta" in params:
-            raw["rope_theta"] = params["rope_theta"]
-        if "rope_scaling" not in raw:
-            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            raw["rope_scaling"] = None if rope_type == "default" else scaling
-    raw["torch_dtype"] = raw["dtype"] = DTYPE_NAMES[dtype]
-    return raw
-
-
-# ---- reading a native head against a target -------------------------------------------------------------------------
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    if not path.is_file():
-        raise UserError(f"{path}: not found")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as err:
-        raise UserError(f"{path}: could not read safetensors ({err})") from None
-
-
-def read_safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype name) without reading the tensor data."""
-    from safetensors import safe_open
-
-    if not path.is_file():
-        raise UserError(f"{path}: not found")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            out = {}
-            for key in f.keys():
-                piece = f.get_slice(key)
-                dtype = piece.get_dtype()
-                out[key] = (tuple(int(n) for n in piece.get_shape()), SAFETENSORS_DTYPES.get(dtype, dtype))
-            return out
-    except UserError:
-        raise
-    except Exception as err:
-        raise UserError(f"{path}: could not read safetensors ({err})") from None
-
-
-def check_head_config_against_target(
-    head_config: HeadConfig, target_config, target_fingerprint: str | None, source: str
-) -> None:
-    """hidden_size / vocab_size / model_type must match; the fingerprint too when both are known."""
-    for key in ("hidden_size", "vocab_size", "model_type"):
-        head_value, target_value = getattr(head_config, key), getattr(target_config, key)
-        if head_value != target_value:
-            raise UserError(
-                f"{source}: the head has {key}={head_value!r} but the target has {key}={target_value!r} "
-                "(the head belongs to a different target)"
-            )
-    if head_config.target_fingerprint and target_fingerprint and head_config.target_fingerprint != target_fingerprint:
-        raise UserError(
-            f"{source}: target_fingerprint {head_config.target_fingerprint!r} does not match the target's "
-            f"{target_fingerprint!r} (the head was trained for a different target)"
-        )
-
-
-def check_native_state(
-    state: dict[str, tuple[int, ...]], head_config: HeadConfig, shape: LayerShape, source: str
-) -> None:
-    """Names and shapes of a native state dict (name -> shape) against what `head_config` over `shape` implies."""
-    expected = native_tensors(head_config.kind, head_config.num_layers, shape, head_config.draft_vocab_size)
-    check_state_shapes(state, expected, head_config, source)
-
-
-def read_native_head(head_dir: str | os.PathLike[str], target: TargetInfo) -> tuple[dict[str, torch.Tensor], HeadConfig]:
-    """A head saved by `heads.save_head` (model.safetensors + head_config.json), checked against `target` the way
-    `heads.load_head` checks it, without loading the target's weights. Tensors keep their stored dtype."""
-    from mtp_train.heads.io import _is_frozen_key, read_head_config
-
-    head_dir = Path(head_dir)
-    if not head_dir.is_dir():
-        raise UserError(f"{head_dir}: head directory not found")
-    head_config = read_head_config(head_dir)
-    check_head_config_against_target(head_config, target.config, target.fingerprint, str(head_dir / HEAD_CONFIG_FILENAME))
-    weights = head_dir / WEIGHTS_FILENAME
-    state = read_safetensors(weights)
-    frozen = sorted(key for key in state if _is_frozen_key(key))
-    if frozen:
-        raise UserError(f"{weights}: holds the target's frozen tensor(s) {', '.join(frozen)}; not a head file")
-    check_native_state({k: tuple(v.shape) for k, v in state.items()}, head_config, target.shape, str(weights))
-    if head_config.draft_vocab_size is not None:
-        from mtp_train.heads.vocab import check_d2t_t2d
-
-        for name, want in DRAFT_VOCAB_TENSORS.items():
-            if TENSOR_DTYPE_NAMES.get(state[name].dtype) != want:
-                raise UserError(f"{weights}: tensor {name} is {state[name].dtype}, expected {want}")
-        check_d2t_t2d(state["d2t"], state["t2d"], str(weights))
-    return state, head_config
-
-
-# ---- the config block and writing -----------------------------------------------------------------------------------
+# ---- the config block and the output directory ----------------------------------------------------------------------
 
 
 def mtp_train_block(format_name: str, head_config: HeadConfig, **extra: Any) -> dict[str, Any]:
@@ -410,48 +366,11 @@ def check_out_dir(out: Path, overwrite: bool, protected: list[Path]) -> None:
 
 
 def write_directory(out: Path, files: dict[str, bytes], overwrite: bool) -> Path:
-    """Write `files` (name -> bytes) into a temporary sibling directory, then rename it to `out` (replacing an empty
-    directory, or a non-empty one when `overwrite`)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temp, 0o777 & ~umask)  # mkdtemp makes it 0700; the export is an ordinary directory
+    """Write `files` (name -> bytes) into a staged sibling directory that then replaces `out` (an empty directory, or a
+    non-empty one when `overwrite`)."""
+    with staged_directory(out) as staging:
         for name, data in files.items():
-            with open(temp / name, "wb") as stream:
-                stream.write(data)
-                stream.flush()
-                os.fsync(stream.fileno())
-        old = None
-        if out.exists():
-            if any(out.iterdir()) and not overwrite:
-                raise UserError(f"--out {out}: directory is not empty (pass --overwrite to replace it)")
-            old = out.parent / f".{out.name}.old.{os.getpid()}"
-            os.replace(out, old)
-        os.replace(temp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+            atomic_write_bytes(staging / name, data)
+        if out.is_dir() and any(out.iterdir()) and not overwrite:  # filled while we wrote
+            raise UserError(f"--out {out}: directory is not empty (pass --overwrite to replace it)")
     return out
-
-
-def json_bytes(data: dict[str, Any]) -> bytes:
-    return (json.dumps(data, indent=2) + "\n").encode("utf-8")
-
-
-def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    from safetensors.torch import save
-
-    # Tied embeddings give the same storage twice; safetensors refuses shared storage.
-    seen: set[int] = set()
-    clean = {}
-    for name, tensor in tensors.items():
-        tensor = tensor.detach().to("cpu").contiguous()
-        if tensor.data_ptr() in seen:
-            tensor = tensor.clone()
-        seen.add(tensor.data_ptr())
-        clean[name] = tensor
-    return save(clean, metadata={"format": "pt", **metadata})

@@ -51,162 +51,91 @@ nor reads `draft_vocab_size` (only their EAGLE-3 classes do: vLLM llama_eagle3.p
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from mtp_train.errors import UserError
-from mtp_train.export.base import ExportFormat, layer_shape_problems, no_draft_vocab_problems
+from mtp_train.export.base import ExportFormat
 from mtp_train.export.common import (
     BLOCK_KEY,
+    CONFIG_FILENAME,
     ENGINE_CONFIG_FIELDS,
-    LayerShape,
-    draft_vocab_lost,
-    engine_config_from_target,
+    layer_shape_from_config,
     mtp_train_block,
 )
-from mtp_train.heads.config import HeadConfig
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.weight$")
-_NO_DRAFT_VOCAB = (
-    "the layout's shared_head.head is the full [V, d] lm_head and neither vLLM DeepSeekMTP nor SGLang "
-    "DeepseekV3ForCausalLMNextN reads d2t, t2d or draft_vocab_size"
-)
-_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
+_MODULE = "model.layers.{L}."  # MTP module k of a target with L layers: model.layers.{L + k}
 
 
 class DeepSeekMTPFormat(ExportFormat):
     name = "deepseek-mtp"
     kinds = ("mtp",)
-    frozen_in_file = True
     description = "DeepSeek-V3 MTP layout (vLLM deepseek_mtp.py / SGLang deepseek_nextn.py naming)"
+    renames = (
+        ("enorm.", _MODULE + "enorm."),
+        ("hnorm.", _MODULE + "hnorm."),
+        ("eh_proj.", _MODULE + "eh_proj."),
+        ("norm.", _MODULE + "shared_head.norm."),
+        ("layers.0.", _MODULE),
+    )
+    frozen = {"embed_tokens": _MODULE + "embed_tokens.weight", "lm_head": _MODULE + "shared_head.head.weight"}
+    max_layers = 1
+    no_draft_vocab = (
+        "the layout's shared_head.head is the full [V, d] lm_head and neither vLLM DeepSeekMTP nor SGLang "
+        "DeepseekV3ForCausalLMNextN reads d2t, t2d or draft_vocab_size"
+    )
+    draft_vocab_alternatives = "--format native"
+    kind_refusal = (
+        "an eagle1 head cannot be written as deepseek-mtp: the layout's enorm, hnorm, input_layernorm and "
+        "shared_head.norm would be norms the head does not have, and eh_proj has no bias, so fc.bias would be "
+        "lost; use --format {alternatives}"
+    )
+    layers_refusal = (
+        "the head has {n} decoder layers; a DeepSeek MTP module holds exactly one block (num_nextn_predict_layers "
+        "counts chained modules, each with its own enorm/hnorm/eh_proj), so layers 1.. would be lost; use --format native"
+    )
+    required_fields = (*ENGINE_CONFIG_FIELDS, "num_nextn_predict_layers")
 
-    def refuse_reason(self, head_config: HeadConfig, target) -> str | None:
-        if head_config.kind != "mtp":
-            others = "eagle, speculators" if head_config.draft_vocab_size is None else "eagle"  # speculators: no d2t
-            return (
-                "an eagle1 head cannot be written as deepseek-mtp: the layout's enorm, hnorm, input_layernorm and "
-                "shared_head.norm would be norms the head does not have, and eh_proj has no bias, so fc.bias would be "
-                f"lost; use --format {others} or native"
-            )
-        if head_config.num_layers != 1:
-            return (
-                f"the head has {head_config.num_layers} decoder layers; a DeepSeek MTP module holds exactly one block "
-                "(num_nextn_predict_layers counts chained modules, each with its own enorm/hnorm/eh_proj), so layers "
-                "1.. would be lost; use --format native"
-            )
-        if head_config.draft_vocab_size is not None:
-            return draft_vocab_lost(head_config, "deepseek-mtp", _NO_DRAFT_VOCAB, "--format native")
-        return None
-
-    def build(self, state, head_config, target, dtype, options):
+    def config_json(self, head_config, target, dtype, options):
         L = target.config.num_hidden_layers
-        prefix = f"model.layers.{L}."
-        embed, lm_head = target.frozen_tensors()
-        tensors = {}
-        for name, tensor in state.items():
-            if name in _OWN:
-                tensors[prefix + name] = tensor
-            elif name == "norm.weight":
-                tensors[prefix + "shared_head.norm.weight"] = tensor
-            elif name.startswith("layers.0."):
-                tensors[prefix + name[len("layers.0.") :]] = tensor
-            else:  # pragma: no cover - refuse_reason guarantees an mtp head with one layer
-                raise AssertionError(name)
-        tensors[prefix + "embed_tokens.weight"] = embed
-        tensors[prefix + "shared_head.head.weight"] = lm_head
-        tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
-        config = engine_config_from_target(target, dtype)
+        config = target.engine_config(dtype)
         config["num_nextn_predict_layers"] = 1
         config[BLOCK_KEY] = mtp_train_block(
             self.name,
             head_config,
             mtp_layer_ids=[L],
-            frozen_tensors_in_file=[prefix + "embed_tokens.weight", prefix + "shared_head.head.weight"],
+            frozen_tensors_in_file=[name.format(L=L) for name in self.frozen.values()],
             engine_support=(
                 "layout of DeepSeek-V3's MTP module with this target's decoder block; vLLM DeepSeekMTP and SGLang "
                 "DeepseekV3ForCausalLMNextN build an MLA/MoE block and cannot load it; mtp_train load_any_head can"
             ),
         )
-        return tensors, {"config.json": config}
+        return config
 
     # ---- reading back ---------------------------------------------------------------------------------------------
 
     def detect(self, config, names, directory):
         return "num_nextn_predict_layers" in config or any(_LAYER_NAME.match(n) for n in names)
 
-    def required_fields(self, config):
-        return [*ENGINE_CONFIG_FIELDS, "num_nextn_predict_layers"]
+    def layout(self, config, directory):
+        return "mtp", 1, layer_shape_from_config(config, str(directory / CONFIG_FILENAME))
 
-    def expected_tensors(self, config, directory):
-        shape = LayerShape.from_hf_dict(config, str(directory / "config.json"))
-        n = int(config["num_nextn_predict_layers"])
-        L0 = int(config["num_hidden_layers"])
-        d, V = shape.hidden_size, shape.vocab_size
-        out: dict[str, tuple[int, ...]] = {}
-        for L in range(L0, L0 + n):
-            p = f"model.layers.{L}."
-            out[p + "embed_tokens.weight"] = (V, d)
-            out[p + "enorm.weight"] = (d,)
-            out[p + "hnorm.weight"] = (d,)
-            out[p + "eh_proj.weight"] = (d, 2 * d)
-            for suffix, dims in shape.block_tensors(with_input_norm=True).items():
-                out[p + suffix] = dims
-            out[p + "shared_head.norm.weight"] = (d,)
-            out[p + "shared_head.head.weight"] = (V, d)
-        return out
+    def format_problems(self, config, directory):
+        if config["num_nextn_predict_layers"] != 1:
+            return [
+                f"{directory / CONFIG_FILENAME}: num_nextn_predict_layers={config['num_nextn_predict_layers']}; a "
+                "DraftHead holds one MTP module"
+            ]
+        return []
 
-    def extra_problems(self, config, directory):
-        return no_draft_vocab_problems(config, self.name, _NO_DRAFT_VOCAB, str(directory / "config.json"))
-
-    def target_problems(self, config, target):
-        source = "config.json"
-        problems = self.common_target_problems(config, target, source)
-        for key in ("hidden_size", "vocab_size", "model_type"):
-            if config.get(key) != getattr(target, key):
-                problems.append(f"{source}: {key}={config.get(key)!r} but the target has {key}={getattr(target, key)!r}")
-        if config.get("num_hidden_layers") != target.num_hidden_layers:
+    def format_target_problems(self, config, target):
+        problems = []
+        if config.get("num_hidden_layers") != target.config.num_hidden_layers:
             problems.append(
-                f"{source}: num_hidden_layers={config.get('num_hidden_layers')!r} (the MTP layer id) but the target has "
-                f"{target.num_hidden_layers} layers"
+                f"{CONFIG_FILENAME}: num_hidden_layers={config.get('num_hidden_layers')!r} (the MTP layer id) but the "
+                f"target has {target.config.num_hidden_layers} layers"
             )
         if target.architectures and config.get("architectures") != target.architectures:
             problems.append(
-                f"{source}: architectures={config.get('architectures')!r} but the target has {target.architectures!r}"
+                f"{CONFIG_FILENAME}: architectures={config.get('architectures')!r} but the target has "
+                f"{target.architectures!r}"
             )
-        problems += layer_shape_problems(config, target, source)
         return problems
-
-    def to_native(self, tensors, config, directory):
-        source = directory / "config.json"
-        if int(config["num_nextn_predict_layers"]) != 1:
-            raise UserError(
-                f"{source}: num_nextn_predict_layers={config['num_nextn_predict_layers']}; a DraftHead holds one MTP module"
-            )
-        head_config = self.head_config_of(config, str(source))
-        if head_config.kind != "mtp" or head_config.num_layers != 1:
-            raise UserError(
-                f"{source}: {BLOCK_KEY}.head_config says kind={head_config.kind!r}, num_layers={head_config.num_layers}; "
-                "a deepseek-mtp export holds an mtp head with one layer"
-            )
-        if head_config.draft_vocab_size is not None:
-            raise UserError(
-                f"{source}: {BLOCK_KEY}.head_config.draft_vocab_size={head_config.draft_vocab_size}; a deepseek-mtp "
-                f"export cannot carry a reduced draft vocabulary ({_NO_DRAFT_VOCAB})"
-            )
-        prefix = f"model.layers.{int(config['num_hidden_layers'])}."
-        native: dict[str, Any] = {}
-        frozen = {}
-        for name, tensor in tensors.items():
-            if not name.startswith(prefix):
-                raise UserError(f"{directory / 'model.safetensors'}: unexpected tensor {name}")
-            rest = name[len(prefix) :]
-            if rest in _OWN:
-                native[rest] = tensor
-            elif rest == "shared_head.norm.weight":
-                native["norm.weight"] = tensor
-            elif rest == "embed_tokens.weight":
-                frozen["embed_tokens"] = tensor
-            elif rest == "shared_head.head.weight":
-                frozen["lm_head"] = tensor
-            else:
-                native["layers.0." + rest] = tensor
-        return native, head_config, frozen

@@ -53,24 +53,29 @@ from pathlib import Path
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.export.base import ExportFormat, draft_vocab_size_of, layer_shape_problems
+from mtp_train.export.base import ExportFormat
 from mtp_train.export.common import (
     BLOCK_KEY,
-    DRAFT_VOCAB_TENSORS,
+    CONFIG_FILENAME,
     ENGINE_CONFIG_FIELDS,
-    MTP_NORMS_LOST,
-    LayerShape,
-    cast_floating,
-    draft_ids_of,
-    engine_config_from_target,
+    draft_vocab_size_of,
+    layer_shape_from_config,
     mtp_train_block,
-    native_tensors,
 )
-from mtp_train.heads.config import HeadConfig
-from mtp_train.heads.vocab import check_draft_ids, d2t_from_ids, t2d_from_ids
+from mtp_train.heads.vocab import (
+    check_draft_ids,
+    d2t_from_ids,
+    ids_from_d2t,
+    t2d_from_ids,
+)
 
 EAGLE_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "mistral": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
 TOKEN_MAP_FILENAME = "speculative_token_map.pt"  # SGLang --speculative-token-map
+# Lost when an MTP head (restored norms) is written into a layout without them.
+MTP_NORMS_LOST = (
+    "enorm (RMSNorm on embed(t)), hnorm (RMSNorm on the hidden state), layers.0.input_layernorm and the final "
+    "norm (norm.weight)"
+)
 
 
 def token_map_bytes(draft_ids: torch.Tensor) -> bytes:
@@ -99,44 +104,25 @@ def read_token_map(path: Path, vocab_size: int) -> torch.Tensor:
     return ids
 
 
-def block_refusal(config, format_name: str, supported: dict[str, str]) -> str | None:
-    """Why the target's decoder block has no counterpart in the engines' EAGLE-1 classes, or None."""
-    if config.model_type not in supported:
-        return (
-            f"format {format_name} has no EAGLE-1 loader for model_type {config.model_type!r} "
-            f"(supported: {', '.join(sorted(supported))}); the head's block (e.g. Qwen3's q_norm/k_norm) would be "
-            "lost; use --format native"
-        )
-    if config.sliding_window is not None:
-        return (
-            f"the target attends within a sliding window of {config.sliding_window} tokens; the engines' Llama block "
-            f"in format {format_name} has no window, so the head's attention pattern would be lost; use --format native"
-        )
-    return None
-
-
 class EagleFormat(ExportFormat):
     name = "eagle"
     kinds = ("eagle1",)
     description = "EAGLE-1 layout (SGLang LlamaForCausalLMEagle / Qwen2ForCausalLMEagle)"
+    draft_vocab = "file"  # SGLang's --speculative-token-map
+    block_types = EAGLE_ARCHITECTURES
+    kind_refusal = (
+        "an mtp head (restored norms) cannot be written as EAGLE-1: this layout has no slot for "
+        f"{MTP_NORMS_LOST}; they would be lost. Use --format {{alternatives}}"
+    )
+    required_fields = ENGINE_CONFIG_FIELDS
 
-    def refuse_reason(self, head_config: HeadConfig, target) -> str | None:
-        if head_config.kind != "eagle1":
-            others = "deepseek-mtp or native" if head_config.draft_vocab_size is None else "native"  # deepseek: no d2t
-            return (
-                "an mtp head (restored norms) cannot be written as EAGLE-1: this layout has no slot for "
-                f"{MTP_NORMS_LOST}; they would be lost. Use --format {others}"
-            )
-        return block_refusal(target.config, self.name, EAGLE_ARCHITECTURES)
-
-    def build(self, state, head_config, target, dtype, options):
-        config = engine_config_from_target(target, dtype)
+    def config_json(self, head_config, target, dtype, options):
+        config = target.engine_config(dtype)
         config.pop("num_nextn_predict_layers", None)
         config["architectures"] = [EAGLE_ARCHITECTURES[target.config.model_type]]
         config["num_hidden_layers"] = head_config.num_layers
         extra = {}
         engine_support = "SGLang --speculative-algorithm EAGLE; not vLLM (its EAGLE-1 fc has no bias)"
-        files: dict = {}
         if head_config.draft_vocab_size is not None:  # only then: a full-vocabulary export stays as it was
             config["draft_vocab_size"] = head_config.draft_vocab_size
             extra["speculative_token_map"] = TOKEN_MAP_FILENAME
@@ -145,7 +131,6 @@ class EagleFormat(ExportFormat):
                 "head's draft vocabulary; without it SGLang drafts over the full vocabulary); not vLLM (its EAGLE-1 "
                 "fc has no bias and it has no EAGLE-1 draft vocabulary)"
             )
-            files[TOKEN_MAP_FILENAME] = token_map_bytes(draft_ids_of(state))
         config[BLOCK_KEY] = mtp_train_block(
             self.name,
             head_config,
@@ -153,8 +138,12 @@ class EagleFormat(ExportFormat):
             engine_support=engine_support,
             **extra,
         )
-        tensors = {name: tensor for name, tensor in state.items() if name not in DRAFT_VOCAB_TENSORS}
-        return cast_floating(tensors, dtype), {"config.json": config, **files}
+        return config
+
+    def extra_files(self, state, head_config):
+        if head_config.draft_vocab_size is None:
+            return {}
+        return {TOKEN_MAP_FILENAME: token_map_bytes(ids_from_d2t(state["d2t"]))}
 
     # ---- reading back ---------------------------------------------------------------------------------------------
 
@@ -162,16 +151,12 @@ class EagleFormat(ExportFormat):
         archs = config.get("architectures") or []
         return "fc.weight" in names or any(str(a).endswith("Eagle") for a in archs)
 
-    def required_fields(self, config):
-        return list(ENGINE_CONFIG_FIELDS)
+    def layout(self, config, directory):
+        return "eagle1", int(config["num_hidden_layers"]), layer_shape_from_config(config, str(directory / CONFIG_FILENAME))
 
-    def expected_tensors(self, config, directory):
-        shape = LayerShape.from_hf_dict(config, str(directory / "config.json"))
-        return native_tensors("eagle1", int(config["num_hidden_layers"]), shape)
-
-    def extra_problems(self, config, directory):
+    def format_problems(self, config, directory):
         problems = []
-        source = directory / "config.json"
+        source = directory / CONFIG_FILENAME
         archs = config.get("architectures") or []
         known = sorted(set(EAGLE_ARCHITECTURES.values()))
         if archs and archs[0] not in known:
@@ -203,35 +188,23 @@ class EagleFormat(ExportFormat):
             )
         return problems
 
-    def target_problems(self, config, target):
-        source = "config.json"
-        problems = self.common_target_problems(config, target, source)
-        for key in ("hidden_size", "vocab_size", "model_type"):
-            if config.get(key) != getattr(target, key):
-                problems.append(f"{source}: {key}={config.get(key)!r} but the target has {key}={getattr(target, key)!r}")
-        want = EAGLE_ARCHITECTURES.get(target.model_type)
+    def format_target_problems(self, config, target):
+        want = EAGLE_ARCHITECTURES.get(target.config.model_type)
         if want and (config.get("architectures") or [None])[0] != want:
-            problems.append(f"{source}: architectures={config.get('architectures')!r}; a {target.model_type} target needs [{want!r}]")
-        problems += layer_shape_problems(config, target, source)
-        return problems
+            return [
+                f"{CONFIG_FILENAME}: architectures={config.get('architectures')!r}; a {target.config.model_type} "
+                f"target needs [{want!r}]"
+            ]
+        return []
 
-    def to_native(self, tensors, config, directory):
-        source = directory / "config.json"
-        head_config = self.head_config_of(config, str(source))
-        if head_config.kind != "eagle1" or head_config.num_layers != int(config["num_hidden_layers"]):
+    def complete_native(self, native, head_config, config, directory):
+        if head_config.draft_vocab_size is None:
+            return
+        token_map = directory / TOKEN_MAP_FILENAME
+        ids = read_token_map(token_map, head_config.vocab_size)
+        if ids.numel() != head_config.draft_vocab_size:
             raise UserError(
-                f"{source}: {BLOCK_KEY}.head_config (kind={head_config.kind!r}, num_layers={head_config.num_layers}) "
-                f"does not match an eagle1 head with num_hidden_layers={config['num_hidden_layers']}"
+                f"{token_map}: {ids.numel()} target ids, but the head's draft_vocab_size is {head_config.draft_vocab_size}"
             )
-        native = dict(tensors)
-        if head_config.draft_vocab_size is not None:
-            token_map = directory / TOKEN_MAP_FILENAME
-            ids = read_token_map(token_map, head_config.vocab_size)
-            if ids.numel() != head_config.draft_vocab_size:
-                raise UserError(
-                    f"{token_map}: {ids.numel()} target ids, but the head's draft_vocab_size is "
-                    f"{head_config.draft_vocab_size}"
-                )
-            native["d2t"] = d2t_from_ids(ids)
-            native["t2d"] = t2d_from_ids(ids, head_config.vocab_size)
-        return native, head_config, {}
+        native["d2t"] = d2t_from_ids(ids)
+        native["t2d"] = t2d_from_ids(ids, head_config.vocab_size)

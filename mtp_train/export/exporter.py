@@ -8,16 +8,16 @@ from pathlib import Path
 
 from mtp_train.errors import UserError
 from mtp_train.export.common import (
+    CONFIG_FILENAME,
     WEIGHTS_FILENAME,
-    TargetInfo,
+    Target,
     check_out_dir,
-    json_bytes,
     parse_dtype,
-    read_native_head,
-    safetensors_bytes,
     write_directory,
 )
 from mtp_train.export.registry import get_format
+from mtp_train.fileio import json_bytes
+from mtp_train.heads.io import read_head, safetensors_bytes
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,15 @@ def export_head(
     head_dir, out = Path(head_dir), Path(out)
     if target_dir is None:
         needs = "the layer config written to config.json and the check of the head against its target"
-        if fmt.frozen_in_file:
+        if fmt.frozen:
             needs += ", and the target's embed_tokens / lm_head, which this layout stores"
         raise UserError(f"--target DIR is required for --format {fmt.name}: it supplies {needs}")
     check_out_dir(out, overwrite, [head_dir, Path(target_dir)])
 
-    target = TargetInfo(target_dir)
-    state, head_config = read_native_head(head_dir, target)
+    target = Target.from_directory(target_dir)
+    if not head_dir.is_dir():
+        raise UserError(f"{head_dir}: head directory not found")
+    state, head_config = read_head(head_dir, target.config, target.fingerprint)
     reason = fmt.refuse_reason(head_config, target)
     if reason:
         raise UserError(f"cannot export {head_dir} ({head_config.kind} head) as {fmt.name}: {reason}")
@@ -62,20 +64,20 @@ def export_head(
             raise UserError(f"{head_dir / WEIGHTS_FILENAME}: mixed dtypes {sorted(map(str, stored))}; pass --dtype")
         torch_dtype = stored.pop()
 
-    tensors, json_files = fmt.build(
+    tensors, files = fmt.build(
         state,
         head_config,
         target,
         torch_dtype,
         {"num_speculative_tokens": num_speculative_tokens, "verifier_name": verifier_name},
     )
-    expected = fmt.expected_tensors(json_files["config.json"], out)
+    expected = fmt.expected_tensors(files[CONFIG_FILENAME], out)
     got = {name: tuple(t.shape) for name, t in tensors.items()}
     assert got == expected, f"format {fmt.name} wrote {sorted(got.items())}, its checks expect {sorted(expected.items())}"
 
-    files = {WEIGHTS_FILENAME: safetensors_bytes(tensors, {"mtp_train_format": fmt.name, "kind": head_config.kind})}
     # Besides JSON, a format may write a ready file (bytes): eagle's SGLang token map.
-    files.update({name: c if isinstance(c, bytes) else json_bytes(c) for name, c in json_files.items()})
-    write_directory(out, files, overwrite)
+    contents = {name: c if isinstance(c, bytes) else json_bytes(c) for name, c in files.items()}
+    contents[WEIGHTS_FILENAME] = safetensors_bytes(tensors, {"mtp_train_format": fmt.name, "kind": head_config.kind})
+    write_directory(out, contents, overwrite)
     log.info("exported %s head %s as %s to %s (%d tensors)", head_config.kind, head_dir, fmt.name, out, len(tensors))
     return out

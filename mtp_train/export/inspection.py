@@ -8,10 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
-from mtp_train.export.base import BLOCK_KEY, Report, TargetView, missing_fields
-from mtp_train.export.common import CONFIG_FILENAME, WEIGHTS_FILENAME, read_safetensors_header
-from mtp_train.export.native import read_json
+from mtp_train.export.base import Report, missing_fields
+from mtp_train.export.common import (
+    BLOCK_KEY,
+    CONFIG_FILENAME,
+    DRAFT_VOCAB_TENSORS,
+    WEIGHTS_FILENAME,
+    Target,
+    read_safetensors_header,
+)
 from mtp_train.export.registry import FORMATS
+from mtp_train.fileio import read_json_object
 
 # Heuristic detection order when the config does not name its format (native first: it may hold any names).
 _DETECT_ORDER = ("native", "speculators", "deepseek-mtp", "eagle")
@@ -28,7 +35,7 @@ def detect_format(directory: Path, config: dict[str, Any], names: set[str]) -> s
 
 
 def inspect_dir(directory: str | os.PathLike[str], target: Any = None) -> Report:
-    """Check `directory` (an export). `target`: a `TargetInfo`, a loaded `CausalLM`, or None. Unreadable input (no
+    """Check `directory` (an export). `target`: a `Target`, a loaded `CausalLM`, or None. Unreadable input (no
     directory, no config.json, invalid JSON or safetensors) raises UserError; everything else lands in
     `Report.problems`."""
     directory = Path(directory)
@@ -37,7 +44,7 @@ def inspect_dir(directory: str | os.PathLike[str], target: Any = None) -> Report
     config_path, weights_path = directory / CONFIG_FILENAME, directory / WEIGHTS_FILENAME
     if not config_path.is_file():
         raise UserError(f"{config_path}: not found (an export holds config.json and {WEIGHTS_FILENAME})")
-    config = read_json(config_path)
+    config = read_json_object(config_path)
     tensors = read_safetensors_header(weights_path)
     report = Report(directory=directory, format=None, config=config, tensors=tensors)
 
@@ -51,7 +58,7 @@ def inspect_dir(directory: str | os.PathLike[str], target: Any = None) -> Report
     report.format = fmt_name
     fmt = FORMATS[fmt_name]
 
-    missing = missing_fields(config, fmt.required_fields(config))
+    missing = missing_fields(config, fmt.required_fields)
     for name in missing:
         report.problems.append(f"{config_path}: missing config field {name} (required by format {fmt_name})")
     if missing:
@@ -72,11 +79,20 @@ def inspect_dir(directory: str | os.PathLike[str], target: Any = None) -> Report
             report.problems.append(
                 f"{weights_path}: tensor {name} has shape {list(shape)}, config.json implies {list(report.expected[name])}"
             )
-    report.problems += fmt.dtype_problems(config, tensors, "torch_dtype", str(config_path))
-    report.problems += fmt.extra_problems(config, directory)
+    report.problems += _dtype_problems(config, tensors, str(config_path))
+    report.problems += fmt.problems(config, directory)
     if target is not None:
-        report.problems += [f"{directory}: {p}" for p in fmt.target_problems(config, TargetView.of(target))]
+        report.problems += [f"{directory}: {p}" for p in fmt.target_problems(config, Target.of(target))]
     return report
+
+
+def _dtype_problems(config: dict[str, Any], tensors: dict[str, tuple[tuple[int, ...], str]], source: str) -> list[str]:
+    """config.json's torch_dtype against the floating-point tensors (d2t/t2d keep int64/bool; checked apart)."""
+    declared = config.get("torch_dtype")
+    found = sorted({dtype for name, (_, dtype) in tensors.items() if name not in DRAFT_VOCAB_TENSORS})
+    if declared is None or not found or found == [declared]:
+        return []
+    return [f"{source}: torch_dtype={declared!r} but the tensors are {', '.join(found)}"]
 
 
 def format_report(report: Report) -> str:

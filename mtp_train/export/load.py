@@ -1,8 +1,10 @@
-"""`load_any_head`: any exported format back into a `DraftHead` over a loaded target.
+"""`load_any_head`: the one loader of draft heads. Any exported format, or a trainer's `head/` directory, back into a
+`DraftHead` over a loaded target.
 
-The directory is first checked like `mtp-train inspect --target` (names, shapes, config fields, target), then its
-tensors are mapped back to DraftHead's names. Frozen tensors stored in the file (deepseek-mtp's embed_tokens and
-shared_head.head) must equal the target's; the head itself always reads the target's own."""
+An export is first checked like `mtp-train inspect --target` (names, shapes, config fields, target), then its
+tensors are mapped back to DraftHead's names and checked as `heads.io.load_head` checks a native head. Frozen tensors
+stored in the file (deepseek-mtp's embed_tokens and shared_head.head) must equal the target's; the head itself always
+reads the target's own."""
 
 from __future__ import annotations
 
@@ -13,15 +15,20 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.export.common import (
+    CONFIG_FILENAME,
+    HEAD_CONFIG_FILENAME,
     WEIGHTS_FILENAME,
-    check_head_config_against_target,
-    check_native_state,
-    read_safetensors,
 )
 from mtp_train.export.inspection import inspect_dir
 from mtp_train.export.registry import FORMATS
 from mtp_train.heads.draft_head import DraftHead
-from mtp_train.heads.vocab import check_d2t_t2d
+from mtp_train.heads.io import (
+    build_head,
+    check_head_state,
+    check_target,
+    load_head,
+    read_safetensors,
+)
 from mtp_train.runtime.model import CausalLM
 
 
@@ -41,24 +48,19 @@ def load_any_head(
     directory: str | os.PathLike[str], target: CausalLM, dtype: torch.dtype | None = None
 ) -> DraftHead:
     """Load the head at `directory` (a trainer's `head/` or any exported format) over `target`, on its device, in `dtype`
-    (default: the dtype stored in the file, so a round trip reproduces the original head bit for bit; d2t/t2d of a
-    reduced draft vocabulary keep int64/bool)."""
+    (default: for an export the dtype stored in the file, so a round trip reproduces the original head bit for bit;
+    for a `head/` directory the target's, as `load_head`; d2t/t2d of a reduced draft vocabulary keep int64/bool)."""
     directory = Path(directory)
-    if (directory / "head_config.json").is_file() and not (directory / "config.json").is_file():
-        from mtp_train.heads.io import load_head
-
+    if (directory / HEAD_CONFIG_FILENAME).is_file() and not (directory / CONFIG_FILENAME).is_file():
         return load_head(directory, target, dtype=dtype)  # a trainer's head/ dir (save_head output)
     report = inspect_dir(directory, target)
     if report.problems:
         raise UserError(
             f"{directory}: not a loadable {report.format or 'export'} for this target: " + "; ".join(report.problems)
         )
-    fmt = FORMATS[report.format]
     weights = directory / WEIGHTS_FILENAME
-    tensors = read_safetensors(weights)
-    native, head_config, frozen = fmt.to_native(tensors, report.config, directory)
-    check_head_config_against_target(head_config, target.config, target.fingerprint, str(directory / "config.json"))
-
+    native, head_config, frozen = FORMATS[report.format].to_native(read_safetensors(weights), report.config, directory)
+    check_target(head_config, target.config, target.fingerprint, str(directory / CONFIG_FILENAME))
     own = {"embed_tokens": target.model.embed_tokens.weight, "lm_head": target.lm_head.weight}
     for key, stored in frozen.items():
         if not _same_values(stored, own[key]):
@@ -66,30 +68,25 @@ def load_any_head(
                 f"{weights}: the stored {key} differs from the target's (exported for a different target, or the "
                 "target's weights changed)"
             )
-
-    with torch.device("meta"):
-        head = DraftHead(target.config, head_config, target.model.embed_tokens, target.lm_head, target.backend)
-    expected = head.state_dict()
-    check_native_state(
-        {k: tuple(v.shape) for k, v in native.items()},
-        head_config,
-        _shape_of(target),
-        str(weights),
-    )
-    assert native.keys() == expected.keys()
-    head.load_state_dict(
-        {
-            k: v.to(device=target.device, dtype=(dtype or v.dtype) if v.is_floating_point() else v.dtype)
-            for k, v in native.items()
-        },
-        assign=True,
-    )
-    if head_config.draft_vocab_size is not None:  # d2t / t2d: the draft vocabulary, as heads.load_head checks it
-        check_d2t_t2d(head.d2t, head.t2d, str(directory))
-    return head
+    check_head_state(native, head_config, target.config, str(weights))
+    return build_head(target, head_config, native, dtype)
 
 
-def _shape_of(target: CausalLM):
-    from mtp_train.export.base import TargetView
+def load_draft(target: CausalLM, tokenizer, precision, head: str | None = None, draft_model: str | None = None):
+    """The draft of speculative decoding over `target` (loaded with `precision`): the head at `head` (a trainer's
+    head/ or any export format), computing like the target (its weights in the compute dtype, few-row matmuls on the
+    decode weights), or the smaller model at `draft_model`, which must share the target's tokenizer."""
+    from mtp_train.runtime.loader import load_model, load_tokenizer
+    from mtp_train.runtime.precision import apply_decode_weights
 
-    return TargetView.of(target).shape
+    if head:
+        return apply_decode_weights(load_any_head(head, target, dtype=target.dtype), precision)
+    target_vocab, draft_vocab = tokenizer.get_vocab(), load_tokenizer(draft_model).get_vocab()
+    if target_vocab != draft_vocab:
+        differing = len(set(target_vocab.items()) ^ set(draft_vocab.items()))
+        raise UserError(
+            f"--draft {draft_model}: its tokenizer differs from the target's: {len(draft_vocab)} vs "
+            f"{len(target_vocab)} tokens, {differing} (token, id) pair(s) differ; a draft model must share the "
+            "target's tokenizer"
+        )
+    return load_model(draft_model, device=target.device, precision=precision)

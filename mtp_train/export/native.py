@@ -20,14 +20,13 @@ config.json; `torch_dtype` describes the floating-point tensors only. A full-voc
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
-from mtp_train.export.base import ExportFormat, draft_vocab_size_of
+from mtp_train.export.base import ExportFormat
 from mtp_train.export.common import (
     BLOCK_KEY,
+    CONFIG_FILENAME,
     DTYPE_NAMES,
     FEEDBACK,
     FORMAT_VERSION,
@@ -35,14 +34,12 @@ from mtp_train.export.common import (
     HIDDEN_STATE_INPUT,
     WEIGHTS_FILENAME,
     LayerShape,
-    TargetInfo,
-    cast_floating,
     draft_vocab_tensor_problems,
     mtp_train_block,
-    native_tensors,
     read_safetensors_header,
 )
 from mtp_train.heads.config import HeadConfig
+from mtp_train.heads.io import read_head_config
 
 NATIVE_FORMAT_TAG = "mtp_train.native"
 
@@ -51,11 +48,13 @@ class NativeFormat(ExportFormat):
     name = "native"
     kinds = ("mtp", "eagle1")
     description = "our runtime (heads.load_head / export.load_any_head)"
+    draft_vocab = "tensors"
+    required_fields = (
+        "format", "format_version", "head_kind", "num_layers", "model_type", "hidden_size", "vocab_size", "norms",
+        "fc_bias", "layer", "layer_ids", "target_fingerprint", "hidden_state_input", "torch_dtype",
+    )
 
-    def refuse_reason(self, head_config: HeadConfig, target: TargetInfo) -> str | None:
-        return None
-
-    def build(self, state, head_config, target, dtype, options):
+    def config_json(self, head_config, target, dtype, options):
         n = head_config.num_layers
         is_mtp = head_config.kind == "mtp"
         config: dict[str, Any] = {
@@ -87,61 +86,39 @@ class NativeFormat(ExportFormat):
         }
         if head_config.draft_vocab_size is not None:  # only then: a full-vocabulary export stays as it was
             config["draft_vocab_size"] = head_config.draft_vocab_size
-        tensors = cast_floating(state, dtype)
-        return tensors, {"config.json": config, HEAD_CONFIG_FILENAME: head_config.to_dict()}
+        return config
+
+    def extra_files(self, state, head_config):
+        return {HEAD_CONFIG_FILENAME: head_config.to_dict()}
 
     # ---- reading back ---------------------------------------------------------------------------------------------
 
     def detect(self, config, names, directory):
         return config.get("format") == NATIVE_FORMAT_TAG or (directory / HEAD_CONFIG_FILENAME).is_file()
 
-    def required_fields(self, config):
-        return [
-            "format",
-            "format_version",
-            "head_kind",
-            "num_layers",
-            "model_type",
-            "hidden_size",
-            "vocab_size",
-            "norms",
-            "fc_bias",
-            "layer",
-            "layer_ids",
-            "target_fingerprint",
-            "hidden_state_input",
-            "torch_dtype",
-        ]
-
-    def _layer_shape(self, config: dict[str, Any], directory: Path) -> LayerShape:
+    def layout(self, config, directory):
+        source = directory / CONFIG_FILENAME
+        if config["head_kind"] not in self.kinds:
+            raise UserError(f"{source}: head_kind {config['head_kind']!r}; expected mtp or eagle1")
         layer = config.get("layer")
         if not isinstance(layer, dict):
-            raise UserError(f"{directory / 'config.json'}: field layer must be an object")
+            raise UserError(f"{source}: field layer must be an object")
         try:
-            return LayerShape(**layer)
+            shape = LayerShape(**layer)
         except TypeError as err:
-            raise UserError(f"{directory / 'config.json'}: field layer: {err}") from None
+            raise UserError(f"{source}: field layer: {err}") from None
+        return config["head_kind"], int(config["num_layers"]), shape
 
-    def expected_tensors(self, config, directory):
-        if config["head_kind"] not in self.kinds:
-            raise UserError(f"{directory / 'config.json'}: head_kind {config['head_kind']!r}; expected mtp or eagle1")
-        draft_vocab_size = draft_vocab_size_of(config)
-        shape = self._layer_shape(config, directory)
-        return native_tensors(config["head_kind"], int(config["num_layers"]), shape, draft_vocab_size)
+    def read_head_config(self, config, directory) -> HeadConfig:
+        return read_head_config(directory)
 
-    def _read_head_config(self, directory: Path) -> HeadConfig:
-        path = directory / HEAD_CONFIG_FILENAME
-        if not path.is_file():
-            raise UserError(f"{path}: not found (a native export keeps head_config.json next to model.safetensors)")
-        return HeadConfig.from_json(path.read_text(encoding="utf-8"), source=str(path))
-
-    def extra_problems(self, config, directory):
+    def format_problems(self, config, directory):
         try:
-            head_config = self._read_head_config(directory)
+            head_config = read_head_config(directory)
         except UserError as err:
             return [str(err)]
         problems = []
-        source = directory / "config.json"
+        source = directory / CONFIG_FILENAME
         for key, value in (
             ("head_kind", head_config.kind),
             ("num_layers", head_config.num_layers),
@@ -167,35 +144,5 @@ class NativeFormat(ExportFormat):
             )
         return problems
 
-    def target_problems(self, config, target):
-        source = "config.json"
-        problems = self.common_target_problems(config, target, source)
-        for key in ("hidden_size", "vocab_size", "model_type"):
-            if config.get(key) != getattr(target, key):
-                problems.append(f"{source}: {key}={config.get(key)!r} but the target has {key}={getattr(target, key)!r}")
-        layer = config.get("layer")
-        if isinstance(layer, dict) and layer != target.shape.to_dict():
-            diff = sorted(k for k in set(layer) | set(target.shape.to_dict()) if layer.get(k) != target.shape.to_dict().get(k))
-            problems.append(f"{source}: layer shape differs from the target's in {', '.join(diff)}")
-        recorded = config.get("target_fingerprint")
-        if recorded and target.fingerprint and recorded != target.fingerprint:
-            problems.append(
-                f"{source}: target_fingerprint {recorded!r} does not match the target's {target.fingerprint!r}"
-            )
-        return problems
 
-    def to_native(self, tensors, config, directory):
-        return dict(tensors), self._read_head_config(directory), {}
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: invalid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return data
-
-
-__all__ = ["NativeFormat", "NATIVE_FORMAT_TAG", "read_json"]
+__all__ = ["NativeFormat", "NATIVE_FORMAT_TAG"]

@@ -47,69 +47,74 @@ our head's.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.export.base import ExportFormat, layer_shape_problems, no_draft_vocab_problems
+from mtp_train.export.base import ExportFormat
 from mtp_train.export.common import (
     BLOCK_KEY,
+    CONFIG_FILENAME,
     DTYPE_NAMES,
-    LayerShape,
-    draft_vocab_lost,
-    engine_config_from_target,
+    layer_shape_from_config,
     mtp_train_block,
 )
-from mtp_train.export.eagle import block_refusal
-from mtp_train.heads.config import HeadConfig
 
 SPECULATORS_VERSION = "0.1.0"
 LLAMA_BLOCK_TYPES = {"llama": "LlamaDecoderLayer", "mistral": "LlamaDecoderLayer"}
-_NO_DRAFT_VOCAB = (
-    "EagleSpeculator computes its logits with the verifier's full lm_head and its config has no draft_vocab_size "
-    "(d2t/t2d exist only in the EAGLE-3 speculator)"
-)
 _TRANSFORMER_DROP = ("architectures", "num_nextn_predict_layers", "torch_dtype", "dtype", BLOCK_KEY)
+_LAYER = "transformer_layer_config"
 
 
 class SpeculatorsFormat(ExportFormat):
     name = "speculators"
     kinds = ("eagle1",)
     description = "vLLM speculators format (speculators_model_type eagle, EagleSpeculator)"
-
-    def refuse_reason(self, head_config: HeadConfig, target) -> str | None:
-        if head_config.kind != "eagle1":
-            others = "deepseek-mtp or native" if head_config.draft_vocab_size is None else "native"  # deepseek: no d2t
-            return (
-                "an mtp head cannot be written as a speculators EagleSpeculator: its layernorms option adds "
-                "embedding_layernorm (= enorm), keeps transformer.input_layernorm and adds pre_lm_head_layernorm "
-                "(= the final norm), but has no norm on the verifier hidden state, so hnorm would be lost. "
-                f"Use --format {others}"
+    renames = (("fc.", "fusion_fc."), ("layers.0.", "transformer."))
+    max_layers = 1
+    no_draft_vocab = (
+        "EagleSpeculator computes its logits with the verifier's full lm_head and its config has no draft_vocab_size "
+        "(d2t/t2d exist only in the EAGLE-3 speculator)"
+    )
+    draft_vocab_alternatives = "--format eagle or native"
+    block_types = LLAMA_BLOCK_TYPES
+    kind_refusal = (
+        "an mtp head cannot be written as a speculators EagleSpeculator: its layernorms option adds "
+        "embedding_layernorm (= enorm), keeps transformer.input_layernorm and adds pre_lm_head_layernorm "
+        "(= the final norm), but has no norm on the verifier hidden state, so hnorm would be lost. "
+        "Use --format {alternatives}"
+    )
+    layers_refusal = (
+        "the head has {n} decoder layers; EagleSpeculator has one `transformer` layer, so layers 1.. would be lost; "
+        "use --format eagle or native"
+    )
+    required_fields = (
+        "architectures",
+        "speculators_model_type",
+        "speculators_version",
+        "speculators_config.algorithm",
+        "speculators_config.proposal_methods",
+        "speculators_config.default_proposal_method",
+        "speculators_config.verifier.name_or_path",
+        "speculators_config.verifier.architectures",
+        "transformer_layer_architecture",
+        *(
+            f"{_LAYER}.{key}"
+            for key in (
+                "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "vocab_size", "rms_norm_eps",
             )
-        if head_config.num_layers != 1:
-            return (
-                f"the head has {head_config.num_layers} decoder layers; EagleSpeculator has one `transformer` layer, "
-                "so layers 1.. would be lost; use --format eagle or native"
-            )
-        if head_config.draft_vocab_size is not None:
-            return draft_vocab_lost(head_config, "speculators", _NO_DRAFT_VOCAB, "--format eagle or native")
-        return block_refusal(target.config, self.name, LLAMA_BLOCK_TYPES)
+        ),
+        "layernorms",
+        "fusion_bias",
+        f"{BLOCK_KEY}.head_config",
+        f"{BLOCK_KEY}.hidden_state_input",
+    )
 
-    def build(self, state, head_config, target, dtype, options):
-        tensors: dict[str, torch.Tensor] = {}
-        for name, tensor in state.items():
-            if name.startswith("fc."):
-                tensors["fusion_fc." + name[len("fc.") :]] = tensor
-            elif name.startswith("layers.0."):
-                tensors["transformer." + name[len("layers.0.") :]] = tensor
-            else:  # pragma: no cover - refuse_reason guarantees an eagle1 head with one layer
-                raise AssertionError(name)
-        base = engine_config_from_target(target, dtype)
-        layer_config = {k: v for k, v in base.items() if k not in _TRANSFORMER_DROP}
+    def config_json(self, head_config, target, dtype, options):
+        layer_config = {k: v for k, v in target.engine_config(dtype).items() if k not in _TRANSFORMER_DROP}
         layer_config.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False)
         verifier = options.get("verifier_name") or str(target.directory.resolve())
-        config: dict[str, Any] = {
+        return {
             "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
             "speculators_model_type": "eagle",
             "speculators_version": SPECULATORS_VERSION,
@@ -122,7 +127,7 @@ class SpeculatorsFormat(ExportFormat):
                 "verifier": {"name_or_path": verifier, "architectures": target.architectures},
             },
             "transformer_layer_architecture": "LlamaDecoderLayer",
-            "transformer_layer_config": layer_config,
+            _LAYER: layer_config,
             "layernorms": False,
             "fusion_bias": True,
             "torch_dtype": DTYPE_NAMES[dtype],
@@ -136,60 +141,35 @@ class SpeculatorsFormat(ExportFormat):
                 ),
             ),
         }
-        return {name: tensor.to(dtype) for name, tensor in tensors.items()}, {"config.json": config}
 
     # ---- reading back ---------------------------------------------------------------------------------------------
 
     def detect(self, config, names, directory):
         return "speculators_model_type" in config
 
-    def required_fields(self, config):
-        return [
-            "architectures",
-            "speculators_model_type",
-            "speculators_version",
-            "speculators_config.algorithm",
-            "speculators_config.proposal_methods",
-            "speculators_config.default_proposal_method",
-            "speculators_config.verifier.name_or_path",
-            "speculators_config.verifier.architectures",
-            "transformer_layer_architecture",
-            "transformer_layer_config.model_type",
-            "transformer_layer_config.hidden_size",
-            "transformer_layer_config.intermediate_size",
-            "transformer_layer_config.num_attention_heads",
-            "transformer_layer_config.num_key_value_heads",
-            "transformer_layer_config.vocab_size",
-            "transformer_layer_config.rms_norm_eps",
-            "layernorms",
-            "fusion_bias",
-            f"{BLOCK_KEY}.head_config",
-            f"{BLOCK_KEY}.hidden_state_input",
-        ]
+    def layout(self, config, directory):
+        return "eagle1", 1, layer_shape_from_config(config[_LAYER], f"{directory / CONFIG_FILENAME} {_LAYER}")
 
-    def expected_tensors(self, config, directory):
-        layer = config["transformer_layer_config"]
-        shape = LayerShape.from_hf_dict(layer, f"{directory / 'config.json'} transformer_layer_config")
-        d = shape.hidden_size
-        out: dict[str, tuple[int, ...]] = {"fusion_fc.weight": (d, 2 * d)}
-        if config["fusion_bias"]:
-            out["fusion_fc.bias"] = (d,)
+    def adjust_expected(self, config, expected):
+        d = expected["fusion_fc.weight"][0]
+        if not config["fusion_bias"]:
+            del expected["fusion_fc.bias"]
         if config["layernorms"]:
-            out["embedding_layernorm.weight"] = (d,)
-            out["pre_lm_head_layernorm.weight"] = (d,)
-        for suffix, dims in shape.block_tensors(with_input_norm=bool(config["layernorms"])).items():
-            out["transformer." + suffix] = dims
-        return out
+            for name in ("embedding_layernorm.weight", "transformer.input_layernorm.weight", "pre_lm_head_layernorm.weight"):
+                expected[name] = (d,)
 
-    def extra_problems(self, config, directory):
+    def target_fields(self, config):
+        layer = config.get(_LAYER) or {}
+        return {key: layer.get(key) for key in ("hidden_size", "vocab_size")}, f"{_LAYER}."
+
+    def format_problems(self, config, directory):
         problems = []
-        source = directory / "config.json"
+        source = directory / CONFIG_FILENAME
         if config.get("speculators_model_type") != "eagle":
             problems.append(f"{source}: speculators_model_type={config.get('speculators_model_type')!r}; expected 'eagle'")
         methods = config["speculators_config"].get("proposal_methods")
         if not isinstance(methods, list) or not methods or "speculative_tokens" not in methods[0]:
             problems.append(f"{source}: speculators_config.proposal_methods[0].speculative_tokens is missing")
-        problems += no_draft_vocab_problems(config, self.name, _NO_DRAFT_VOCAB, str(source))
         if config.get("transformer_layer_architecture") != "LlamaDecoderLayer":
             problems.append(
                 f"{source}: transformer_layer_architecture={config.get('transformer_layer_architecture')!r}; "
@@ -197,55 +177,27 @@ class SpeculatorsFormat(ExportFormat):
             )
         return problems
 
-    def target_problems(self, config, target):
-        source = "config.json"
-        problems = self.common_target_problems(config, target, source)
-        layer = config.get("transformer_layer_config") or {}
-        for key in ("hidden_size", "vocab_size"):
-            if layer.get(key) != getattr(target, key):
-                problems.append(
-                    f"{source}: transformer_layer_config.{key}={layer.get(key)!r} but the target has "
-                    f"{key}={getattr(target, key)!r}"
-                )
+    def format_target_problems(self, config, target):
+        problems = []
         verifier_archs = ((config.get("speculators_config") or {}).get("verifier") or {}).get("architectures")
         if target.architectures and verifier_archs != target.architectures:
             problems.append(
-                f"{source}: speculators_config.verifier.architectures={verifier_archs!r} but the target has "
+                f"{CONFIG_FILENAME}: speculators_config.verifier.architectures={verifier_archs!r} but the target has "
                 f"{target.architectures!r}"
             )
-        if target.model_type not in LLAMA_BLOCK_TYPES:
-            problems.append(f"{source}: the target's model_type {target.model_type!r} has no LlamaDecoderLayer block")
-        problems += layer_shape_problems({**layer, "model_type": target.model_type}, target, source)
+        if target.config.model_type not in LLAMA_BLOCK_TYPES:
+            problems.append(
+                f"{CONFIG_FILENAME}: the target's model_type {target.config.model_type!r} has no LlamaDecoderLayer block"
+            )
         return problems
 
-    def to_native(self, tensors, config, directory):
-        source = directory / "config.json"
+    def complete_native(self, native, head_config, config, directory):
         if config["layernorms"]:
             raise UserError(
-                f"{source}: layernorms=true (embedding_layernorm, transformer.input_layernorm, pre_lm_head_layernorm) "
-                "has no DraftHead counterpart: an mtp head also normalizes the hidden state (hnorm), an eagle1 head "
-                "has none of these norms"
+                f"{directory / CONFIG_FILENAME}: layernorms=true (embedding_layernorm, transformer.input_layernorm, "
+                "pre_lm_head_layernorm) has no DraftHead counterpart: an mtp head also normalizes the hidden state "
+                "(hnorm), an eagle1 head has none of these norms"
             )
-        head_config = self.head_config_of(config, str(source))
-        if head_config.kind != "eagle1" or head_config.num_layers != 1:
-            raise UserError(
-                f"{source}: {BLOCK_KEY}.head_config says kind={head_config.kind!r}, num_layers={head_config.num_layers}; "
-                "a speculators eagle export holds an eagle1 head with one layer"
-            )
-        if head_config.draft_vocab_size is not None:
-            raise UserError(
-                f"{source}: {BLOCK_KEY}.head_config.draft_vocab_size={head_config.draft_vocab_size}; a speculators "
-                f"eagle export cannot carry a reduced draft vocabulary ({_NO_DRAFT_VOCAB})"
-            )
-        native: dict[str, torch.Tensor] = {}
-        for name, tensor in tensors.items():
-            if name.startswith("fusion_fc."):
-                native["fc." + name[len("fusion_fc.") :]] = tensor
-            elif name.startswith("transformer."):
-                native["layers.0." + name[len("transformer.") :]] = tensor
-            else:
-                raise UserError(f"{directory / 'model.safetensors'}: unexpected tensor {name}")
         if "fc.bias" not in native:  # fusion_bias: false is the same head with a zero bias
             weight = native["fc.weight"]
             native["fc.bias"] = torch.zeros(weight.shape[0], dtype=weight.dtype)
-        return native, head_config, {}

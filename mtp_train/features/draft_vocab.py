@@ -13,14 +13,13 @@ Counts are cached in `<features>/draft_vocab/<source>-counts.safetensors`, tied 
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from mtp_train.features.format import load_manifest
-from mtp_train.fileio import atomic_write_bytes
+from mtp_train.fileio import atomic_write_bytes, file_sha256
 from mtp_train.heads.vocab import coverage, select_draft_vocab
 
 SOURCES = ("target", "data")
@@ -32,7 +31,7 @@ def counts_path(features_dir: str | Path, source: str) -> Path:
 
 
 def _manifest_digest(features_dir: Path) -> str:
-    return hashlib.sha256((features_dir / "manifest.json").read_bytes()).hexdigest()
+    return file_sha256(features_dir / "manifest.json")
 
 
 def _stores_argmax(features_dir: Path) -> bool:

@@ -18,16 +18,13 @@ Layout of `<precompute.output_dir>/`:
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.fileio import atomic_write_bytes
-from mtp_train.fingerprint import file_sha256
+from mtp_train.fileio import atomic_write_bytes, file_sha256, read_json_object
 
 FORMAT_VERSION = 1
 MANIFEST_FILENAME = "manifest.json"
@@ -107,10 +104,7 @@ def load_manifest(root: Path) -> dict[str, Any]:
         done = sorted(Path(root).glob("progress-r*.json"))
         hint = f" ({len(done)} rank progress file(s) present: precompute has not finished)" if done else ""
         raise UserError(f"{path}: not found{hint}; run `mtp-train precompute` (it resumes)")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: invalid JSON ({err})") from None
+    manifest = read_json_object(path)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise UserError(f"{path}: format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
     return manifest

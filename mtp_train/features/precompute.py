@@ -10,7 +10,6 @@ rerun after a kill skips finished shards and recomputes the rest identically.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
@@ -25,14 +24,13 @@ from mtp_train.errors import UserError
 from mtp_train.features.format import (
     FORMAT_VERSION,
     MANIFEST_FILENAME,
-    STORAGE_DTYPES,
     load_manifest,
     progress_path,
     shard_name,
     shard_sha256_ok,
     write_shard,
 )
-from mtp_train.fileio import write_json_atomic
+from mtp_train.fileio import read_json_object, write_json_atomic
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
@@ -170,17 +168,17 @@ class _GlobalProgress:
         if now - self._last < 2.0:
             return
         self._last = now
-        if self.env.rank != 0:
-            self._publish()
-        else:
-            self.bar.n = min(self.bar.total, self._all_tokens())
-            self.bar.refresh()
+        self._show()
 
-    def close(self) -> None:
+    def _show(self) -> None:
+        """Rank 0: the bar at all ranks' tokens; other ranks: publish their own."""
         self._publish()
         if self.env.rank == 0:
             self.bar.n = min(self.bar.total, self._all_tokens())
             self.bar.refresh()
+
+    def close(self) -> None:
+        self._show()
         self.bar.close()
 
 
@@ -233,9 +231,7 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     my_progress = progress_path(root, env.rank)
     done: dict[str, dict[str, Any]] = {}
     if my_progress.is_file():
-        import json
-
-        existing = json.loads(my_progress.read_text())
+        existing = read_json_object(my_progress)
         _compare_headers(existing["header"], header, my_progress)
         # Keep only shards whose file is intact; a damaged one is recomputed.
         done = {name: rec for name, rec in existing["shards"].items() if shard_sha256_ok(root, rec)}
@@ -352,14 +348,12 @@ def _describe_throughput(t: dict[str, Any]) -> str:
 
 def _merge_manifest(root: Path, header: dict[str, Any], split_lengths: dict[str, list[int]],
                     throughput: dict[str, Any] | None = None) -> dict[str, Any]:
-    import json
-
     records = []
     for rank in range(header["world_size"]):
         path = progress_path(root, rank)
         if not path.is_file():
             raise UserError(f"{path}: missing after all ranks finished (a rank failed?); rerun to resume")
-        records.extend(json.loads(path.read_text())["shards"].values())
+        records.extend(read_json_object(path)["shards"].values())
     manifest = {
         **header,
         "splits": {
@@ -408,13 +402,3 @@ def _init_distributed(env: DistEnv):
 def _barrier(dist) -> None:
     if dist is not None:
         dist.barrier()
-
-
-def run_precompute_cli(args: argparse.Namespace) -> int:
-    from mtp_train.recipe import recipe_from_args
-
-    recipe = recipe_from_args(args)
-    if recipe.precompute.storage_dtype not in STORAGE_DTYPES:
-        raise UserError(f"precompute.storage_dtype: {recipe.precompute.storage_dtype!r} not supported")
-    run_precompute(recipe, force=args.force)
-    return 0

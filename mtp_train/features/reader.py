@@ -16,7 +16,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.features.format import decode_hidden, load_manifest
-from mtp_train.fingerprint import file_sha256
+from mtp_train.fileio import file_sha256
 
 
 @dataclass

@@ -7,7 +7,6 @@ fingerprint. Prints a summary; exit code 1 on any problem, each problem naming t
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import torch
 
 from mtp_train.features.format import STORAGE_DTYPES, decode_hidden, load_manifest
-from mtp_train.fingerprint import file_sha256
+from mtp_train.fileio import file_sha256
 
 
 @dataclass
@@ -132,17 +131,3 @@ def verify_features(root: str | Path, target_dir: str | Path | None = None, prog
         if extra:
             report.problems.append(f"{split}: sample index(es) out of range: {extra[:10]}")
     return report
-
-
-def run_verify_cli(args: argparse.Namespace) -> int:
-    report = verify_features(args.features_dir, args.target)
-    if report.ok:
-        print(
-            f"verify-features: OK — {report.shards_checked} shards, {report.samples} samples, {report.tokens} tokens, "
-            f"{report.nbytes / 2**20:.1f} MiB ({report.nbytes / max(report.tokens, 1):.1f} bytes/token)"
-        )
-        return 0
-    for problem in report.problems:
-        print(f"verify-features: {problem}")
-    print(f"verify-features: FAILED with {len(report.problems)} problem(s)")
-    return 1

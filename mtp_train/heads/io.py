@@ -1,10 +1,13 @@
 """Native head files: `<dir>/model.safetensors` (the head's own tensors only, never the target's embed_tokens or
-lm_head) + `<dir>/head_config.json`. Both are written to a temporary name and renamed into place."""
+lm_head) + `<dir>/head_config.json`. Both are written to a temporary name and renamed into place.
+
+Also the one check of a head against its target (`target_mismatches`): export, inspect and every loader use it."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,21 +16,62 @@ from mtp_train.fileio import atomic_write_bytes
 from mtp_train.heads.config import HeadConfig
 from mtp_train.heads.draft_head import DraftHead
 from mtp_train.heads.vocab import check_d2t_t2d
+from mtp_train.runtime.config import ModelConfig
 from mtp_train.runtime.model import CausalLM
 
 WEIGHTS_FILENAME = "model.safetensors"
 CONFIG_FILENAME = "head_config.json"
+TARGET_KEYS = ("hidden_size", "vocab_size", "model_type")  # what a head records of its target, besides the fingerprint
+DRAFT_VOCAB_DTYPES = {"d2t": torch.int64, "t2d": torch.bool}  # a reduced draft vocabulary's tensors
 
 
 def _is_frozen_key(key: str) -> bool:
     return any(part in ("embed_tokens", "lm_head") for part in key.split("."))
 
 
-def check_state_shapes(
-    state: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], head_config: HeadConfig, source: str
+def target_mismatches(
+    recorded: dict[str, Any], config: ModelConfig, fingerprint: str | None, source: str, prefix: str = ""
+) -> list[str]:
+    """One line per fact in `recorded` (a head config or an exported config.json part: hidden_size, vocab_size,
+    model_type, target_fingerprint; `prefix` is its path in the file) that differs from the target's. A key absent
+    from `recorded`, and a fingerprint unknown on either side, is not compared."""
+    problems = [
+        f"{source}: {prefix}{key}={recorded[key]!r} but the target has {key}={getattr(config, key)!r}"
+        for key in TARGET_KEYS
+        if key in recorded and recorded[key] != getattr(config, key)
+    ]
+    recorded_fingerprint = recorded.get("target_fingerprint")
+    if recorded_fingerprint and fingerprint and recorded_fingerprint != fingerprint:
+        problems.append(
+            f"{source}: {prefix}target_fingerprint {recorded_fingerprint!r} does not match the target's "
+            f"{fingerprint!r} (the head was trained for a different target)"
+        )
+    return problems
+
+
+def check_target(head_config: HeadConfig, config: ModelConfig, fingerprint: str | None, source: str) -> None:
+    """`target_mismatches` of a head config, raised as a UserError (the first mismatch)."""
+    problems = target_mismatches(head_config.to_dict(), config, fingerprint, source)
+    if problems:
+        raise UserError(problems[0])
+
+
+def check_head_state(
+    state: dict[str, torch.Tensor], head_config: HeadConfig, config: ModelConfig, source: str
 ) -> None:
-    """Tensor names and shapes of a head file (name -> shape) against what the head config implies; a UserError
-    names the missing/unexpected keys or the first wrong shape."""
+    """A native state dict against a head config over a target: no frozen tensors, the names and shapes the head
+    has (a DraftHead built on the meta device: nothing is allocated), and (reduced draft vocabulary) d2t int64 / t2d
+    bool describing the same draft ids."""
+    frozen = sorted(key for key in state if _is_frozen_key(key))
+    if frozen:
+        raise UserError(
+            f"{source}: holds the target's frozen tensor(s) {', '.join(frozen)}; a head file must contain only "
+            "the head's own weights (embed_tokens and lm_head are read from the target)"
+        )
+    with torch.device("meta"):
+        embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        expected = DraftHead(config, head_config, embed, lm_head).state_dict()
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
     if missing or unexpected:
@@ -37,24 +81,57 @@ def check_state_shapes(
             f"{source}: tensor names do not match a {head_config.kind} head with {head_config.num_layers} "
             f"layer(s): {'; '.join(parts)}"
         )
-    for key, dims in expected.items():
-        if tuple(state[key]) != tuple(dims):
-            raise UserError(f"{source}: tensor {key} has shape {tuple(state[key])}, the target's config implies {dims}")
+    for key, value in expected.items():
+        if state[key].shape != value.shape:
+            raise UserError(
+                f"{source}: tensor {key} has shape {tuple(state[key].shape)}, the target's config implies "
+                f"{tuple(value.shape)}"
+            )
+    if head_config.draft_vocab_size is not None:
+        for name, want in DRAFT_VOCAB_DTYPES.items():
+            if state[name].dtype != want:
+                raise UserError(f"{source}: tensor {name} is {state[name].dtype}, expected {str(want)[6:]}")
+        check_d2t_t2d(state["d2t"], state["t2d"], source)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, as stored; UserError when it is missing or unreadable."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise UserError(f"{path}: not found")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as err:
+        raise UserError(f"{path}: could not read safetensors ({err})") from None
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    from safetensors.torch import save
+
+    # Tied embeddings give the same storage twice; safetensors refuses shared storage.
+    seen: set[int] = set()
+    clean = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.data_ptr() in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        clean[name] = tensor
+    return save(clean, metadata={"format": "pt", **metadata})
 
 
 def save_head(head: DraftHead, directory: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Path:
     """Write the head's weights and config to `directory`; returns the directory. `dtype`: the floating-point tensors'
     storage dtype (default: as they are; d2t/t2d keep int64/bool)."""
-    from safetensors.torch import save
-
     directory = Path(directory)
-    state = {key: value.detach().to("cpu").contiguous() for key, value in head.state_dict().items()}
+    state = {key: value.detach().to("cpu") for key, value in head.state_dict().items()}
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     frozen = [key for key in state if _is_frozen_key(key)]
     assert not frozen, f"head state dict holds the target's frozen tensors {frozen}"
-    metadata = {"format": "pt", "kind": head.head_config.kind}
-    atomic_write_bytes(directory / WEIGHTS_FILENAME, save(state, metadata=metadata))
+    atomic_write_bytes(directory / WEIGHTS_FILENAME, safetensors_bytes(state, {"kind": head.head_config.kind}))
     atomic_write_bytes(directory / CONFIG_FILENAME, head.head_config.to_json().encode("utf-8"))
     return directory
 
@@ -66,6 +143,37 @@ def read_head_config(directory: str | os.PathLike[str]) -> HeadConfig:
     return HeadConfig.from_json(path.read_text(encoding="utf-8"), source=str(path))
 
 
+def read_head(
+    directory: str | os.PathLike[str], config: ModelConfig, fingerprint: str | None
+) -> tuple[dict[str, torch.Tensor], HeadConfig]:
+    """The state dict (as stored) and config of a head saved by `save_head`, checked against a target's `config` and
+    `fingerprint` (`check_target`, `check_head_state`) without building the head."""
+    directory = Path(directory)
+    head_config = read_head_config(directory)
+    check_target(head_config, config, fingerprint, str(directory / CONFIG_FILENAME))
+    weights_path = directory / WEIGHTS_FILENAME
+    state = read_safetensors(weights_path)
+    check_head_state(state, head_config, config, str(weights_path))
+    return state, head_config
+
+
+def build_head(
+    target: CausalLM, head_config: HeadConfig, state: dict[str, torch.Tensor], dtype: torch.dtype | None
+) -> DraftHead:
+    """A DraftHead over `target` (on its device) holding `state` (checked by `check_head_state`), its floating-point
+    tensors in `dtype` (None: as stored; d2t/t2d keep int64/bool)."""
+    with torch.device("meta"):
+        head = DraftHead(target.config, head_config, target.model.embed_tokens, target.lm_head, target.backend)
+    head.load_state_dict(
+        {
+            k: v.to(device=target.device, dtype=(dtype or v.dtype) if v.is_floating_point() else v.dtype)
+            for k, v in state.items()
+        },
+        assign=True,
+    )
+    return head
+
+
 def load_head(
     directory: str | os.PathLike[str],
     target: CausalLM,
@@ -74,51 +182,7 @@ def load_head(
 ) -> DraftHead:
     """Load a head saved by `save_head` over `target` (on its device; `dtype` default: the target's). The head's
     hidden_size/vocab_size/model_type must match the target's, and its target fingerprint must equal
-    `target_fingerprint` (default: `target.fingerprint`) when both are known. Errors are UserErrors naming the file and the mismatch or key."""
-    from safetensors import safe_open
-
-    directory = Path(directory)
-    head_config = read_head_config(directory)
-    config_path = directory / CONFIG_FILENAME
-    target_config = target.config
-    for key in ("hidden_size", "vocab_size", "model_type"):
-        head_value, target_value = getattr(head_config, key), getattr(target_config, key)
-        if head_value != target_value:
-            raise UserError(f"{config_path}: {key}={head_value!r} but the target has {key}={target_value!r}")
-    target_fingerprint = target_fingerprint or target.fingerprint
-    if head_config.target_fingerprint and target_fingerprint and head_config.target_fingerprint != target_fingerprint:
-        raise UserError(
-            f"{config_path}: target_fingerprint {head_config.target_fingerprint!r} does not match the target's "
-            f"{target_fingerprint!r} (the head was trained for a different target)"
-        )
-
-    weights_path = directory / WEIGHTS_FILENAME
-    if not weights_path.is_file():
-        raise UserError(f"{weights_path}: not found")
-    try:
-        with safe_open(str(weights_path), framework="pt") as f:
-            state = {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as err:
-        raise UserError(f"{weights_path}: could not read safetensors ({err})") from None
-    frozen = sorted(key for key in state if _is_frozen_key(key))
-    if frozen:
-        raise UserError(
-            f"{weights_path}: holds the target's frozen tensor(s) {', '.join(frozen)}; a head file must contain only "
-            "the head's own weights (embed_tokens and lm_head are read from the target)"
-        )
-
-    with torch.device("meta"):
-        head = DraftHead(target_config, head_config, target.model.embed_tokens, target.lm_head, target.backend)
-    check_state_shapes(
-        {k: tuple(v.shape) for k, v in state.items()},
-        {k: tuple(v.shape) for k, v in head.state_dict().items()},
-        head_config, str(weights_path),
-    )
-    dtype = dtype or target.dtype
-    head.load_state_dict(
-        {k: v.to(device=target.device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()},
-        assign=True,
-    )
-    if head_config.draft_vocab_size is not None:
-        check_d2t_t2d(head.d2t, head.t2d, str(weights_path))
-    return head
+    `target_fingerprint` (default: `target.fingerprint`) when both are known. Errors are UserErrors naming the file and
+    the mismatch or key."""
+    state, head_config = read_head(directory, target.config, target_fingerprint or target.fingerprint)
+    return build_head(target, head_config, state, dtype or target.dtype)

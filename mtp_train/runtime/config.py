@@ -7,6 +7,7 @@ checks that the architecture and options are ones the runtime implements, and sa
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,6 @@ class ModelConfig:
     # The parsed transformers config: rotary init functions read their parameters from it.
     hf_config: Any = field(default=None, compare=False, repr=False)
 
-    @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
     if value is None:
@@ -73,6 +70,20 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as err:
         raise UserError(f"{config_path}: invalid JSON ({err})") from None
+    return _parse(raw, config_path, lambda: AutoConfig.from_pretrained(str(model_dir)))
+
+
+def config_from_dict(raw: dict[str, Any], source: str) -> ModelConfig:
+    """`load_config`'s parsing and checks for a config already in memory (e.g. the target config an export carries);
+    UserErrors name `source`."""
+    from transformers import AutoConfig
+
+    rest = {k: v for k, v in raw.items() if k != "model_type"}
+    return _parse(raw, source, lambda: AutoConfig.for_model(raw.get("model_type"), **rest))
+
+
+def _parse(raw: dict[str, Any], config_path: Any, parse_hf: Callable[[], Any]) -> ModelConfig:
+    """The checks and the ModelConfig of a raw config dict; `parse_hf()` gives transformers' parsed config."""
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
@@ -83,7 +94,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
             "the runtime loads unquantized bf16/fp16/fp32 safetensors only"
         )
     try:
-        hf = AutoConfig.from_pretrained(str(model_dir))
+        hf = parse_hf()
     except Exception as err:  # transformers raises many types for a malformed config
         raise UserError(f"{config_path}: transformers could not parse it ({err})") from None
 

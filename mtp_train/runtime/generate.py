@@ -51,6 +51,36 @@ def pages_for(prompts: list[list[int]], max_new_tokens: int, page_size: int, sla
     return sum(-(-(len(p) + max_new_tokens + slack_tokens) // page_size) for p in prompts)
 
 
+class Outputs:
+    """The generated tokens of a batch (plain and speculative decoding alike): cut after a stop token and at
+    max_new_tokens, streamed to `on_tokens(seq_index, new_ids)` as they are committed."""
+
+    def __init__(self, num_prompts: int, max_new_tokens: int, stop_token_ids: tuple[int, ...],
+                 on_tokens: Callable[[int, list[int]], None] | None):
+        self.token_ids: list[list[int]] = [[] for _ in range(num_prompts)]
+        self.finish = ["length"] * num_prompts  # "stop" once a stop token was committed
+        self.max_new_tokens, self.stop, self.on_tokens = max_new_tokens, set(stop_token_ids), on_tokens
+
+    def commit(self, index: int, new_tokens: list[int]) -> list[int]:
+        """Append tokens to sequence `index`, cut after a stop token / at max_new_tokens; returns those kept."""
+        new_tokens = new_tokens[: self.max_new_tokens - len(self.token_ids[index])]
+        for i, token in enumerate(new_tokens):
+            if token in self.stop:
+                new_tokens = new_tokens[: i + 1]
+                self.finish[index] = "stop"
+                break
+        self.token_ids[index].extend(new_tokens)
+        if self.on_tokens and new_tokens:
+            self.on_tokens(index, new_tokens)
+        return new_tokens
+
+    def finished(self, index: int) -> bool:
+        return self.finish[index] == "stop" or len(self.token_ids[index]) >= self.max_new_tokens
+
+    def results(self) -> list[GenerationResult]:
+        return [GenerationResult(o, f) for o, f in zip(self.token_ids, self.finish)]
+
+
 @torch.inference_mode()
 def generate(
     model: CausalLM,
@@ -69,22 +99,16 @@ def generate(
     allocator = allocator or PageAllocator(pages_for(prompts, max_new_tokens, page_size), page_size)
     kv_cache = model.new_kv_cache(allocator)
     generator = torch.Generator(device=device).manual_seed(seed)
-    stop = set(stop_token_ids)
     sequences = [Sequence(i) for i in range(len(prompts))]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    finish = ["length"] * len(prompts)
+    outputs = Outputs(len(prompts), max_new_tokens, stop_token_ids, on_tokens)
     stats = GenerationStats()
 
     def commit(seq_indices: list[int], next_ids: torch.Tensor) -> list[int]:
         """Record one sampled token per sequence; return those still running."""
         running = []
         for i, token in zip(seq_indices, next_ids.tolist()):
-            outputs[i].append(token)
-            if on_tokens:
-                on_tokens(i, [token])
-            if token in stop:
-                finish[i] = "stop"
-            if token in stop or len(outputs[i]) >= max_new_tokens:
+            outputs.commit(i, [token])
+            if outputs.finished(i):
                 sequences[i].release(allocator)
             else:
                 running.append(i)
@@ -102,7 +126,7 @@ def generate(
         start = time.perf_counter()
         while active:
             batch = BatchInfo.for_sequences([sequences[i] for i in active], [1] * len(active), allocator, device)
-            input_ids = torch.tensor([outputs[i][-1] for i in active], device=device)
+            input_ids = torch.tensor([outputs.token_ids[i][-1] for i in active], device=device)
             logits = model(input_ids, batch, kv_cache).logits
             stats.target_forwards += 1
             active = commit(active, sample(logits, sampling, generator))
@@ -111,5 +135,5 @@ def generate(
         for seq in sequences:
             if seq.pages:
                 seq.release(allocator)
-    stats.new_tokens = sum(len(o) for o in outputs)
-    return [GenerationResult(o, f) for o, f in zip(outputs, finish)], stats
+    stats.new_tokens = sum(len(o) for o in outputs.token_ids)
+    return outputs.results(), stats

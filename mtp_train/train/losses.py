@@ -48,30 +48,26 @@ def _chunk_metrics(
     the inside mask [c] (None when full)."""
     draft_top3 = draft_logp.topk(min(3, draft_logp.shape[-1]), dim=-1).indices  # [c, 3] draft ids
     if target_top is not None:  # stored argmax: `target_logits` are the draft-vocabulary logits only [c, N]
-        draft_top3 = draft_ids[draft_top3]
         target_logp = target_logits.log_softmax(-1)  # [c, N] restricted and renormalized
-        inside_rows = target_in_draft[target_top]  # [c] bool
-        kl_rows = (target_logp.exp() * (target_logp - draft_logp)).sum(-1) * inside_rows
-        alpha = torch.minimum(draft_logp, target_logp).exp().sum()  # within the draft vocabulary (an upper bound)
-        inside = inside_rows.sum()
-        top1 = (draft_top3[:, 0] == target_top).sum()
-        top3 = (draft_top3 == target_top[:, None]).any(-1).sum()
-        return tuple(value.float() for value in (kl_rows.sum(), top1, top3, alpha, inside)), target_logp, inside_rows
-    target_top = target_logits.argmax(-1)  # [c] target ids
+        alpha_logp = target_logp  # α within the draft vocabulary (an upper bound)
+    else:
+        target_top = target_logits.argmax(-1)  # [c] target ids
+        full_logp = target_logits.log_softmax(-1)  # [c, V]
+        if draft_ids is None:
+            target_logp = alpha_logp = full_logp
+        else:
+            alpha_logp = full_logp[:, draft_ids]  # [c, N] log p over the draft ids (q = 0 outside them)
+            target_logp = target_logits[:, draft_ids].log_softmax(-1)  # [c, N] restricted and renormalized
+    kl_rows = (target_logp.exp() * (target_logp - draft_logp)).sum(-1)
     if draft_ids is None:
-        target_logp = target_logits.log_softmax(-1)  # [c, V]
         inside_rows = None
-        kl_rows = (target_logp.exp() * (target_logp - draft_logp)).sum(-1)
-        alpha = torch.minimum(draft_logp, target_logp).exp().sum()  # min(p, q) = exp(min(log p, log q))
         inside = torch.tensor(float(target_top.numel()), device=target_logits.device)
     else:
         draft_top3 = draft_ids[draft_top3]  # [c, 3] target ids
-        full_logp_at_draft = target_logits.log_softmax(-1)[:, draft_ids]  # [c, N] log p over the draft ids
-        target_logp = target_logits[:, draft_ids].log_softmax(-1)  # [c, N] restricted and renormalized
         inside_rows = target_in_draft[target_top]  # [c] bool
-        kl_rows = (target_logp.exp() * (target_logp - draft_logp)).sum(-1) * inside_rows
-        alpha = torch.minimum(draft_logp, full_logp_at_draft).exp().sum()  # q = 0 outside the draft vocabulary
+        kl_rows = kl_rows * inside_rows
         inside = inside_rows.sum()
+    alpha = torch.minimum(draft_logp, alpha_logp).exp().sum()  # min(p, q) = exp(min(log p, log q))
     top1 = (draft_top3[:, 0] == target_top).sum()
     top3 = (draft_top3 == target_top[:, None]).any(-1).sum()
     sums = tuple(value.float() for value in (kl_rows.sum(), top1, top3, alpha, inside))

@@ -11,13 +11,13 @@ checkpoints, the summary). The run dir (`train.run_dir`, default `runs/<name>/`)
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import random
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from mtp_train.errors import UserError
+from mtp_train.fileio import read_json_object
+from mtp_train.recipe import flatten_recipe
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +44,10 @@ HEAD_STORAGE_DTYPE = torch.bfloat16
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(value, dict):
-        for key, sub in value.items():
-            _flatten(f"{prefix}.{key}" if prefix else key, sub, out)
-    else:
-        out[prefix] = value
-    return out
-
-
 def changed_recipe_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Dotted keys of the checked sections whose values differ (ignoring RESUMABLE_CHANGES)."""
-    old = _flatten("", {s: saved.get(s) for s in RESUME_CHECKED_SECTIONS}, {})
-    new = _flatten("", {s: current.get(s) for s in RESUME_CHECKED_SECTIONS}, {})
+    old = flatten_recipe({s: saved.get(s) for s in RESUME_CHECKED_SECTIONS})
+    new = flatten_recipe({s: current.get(s) for s in RESUME_CHECKED_SECTIONS})
     return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
 
 
@@ -78,10 +71,7 @@ def deepspeed_config(recipe, world_size: int, use_bf16: bool) -> dict[str, Any]:
         path = Path(train.deepspeed_config)
         if not path.is_file():
             raise UserError(f"train.deepspeed_config: {path} not found")
-        try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}: invalid JSON ({err})") from None
+        config = read_json_object(path, "train.deepspeed_config")
     zero = config.setdefault("zero_optimization", {})
     if "stage" in zero and zero["stage"] != train.zero_stage:
         raise UserError(
@@ -291,7 +281,7 @@ def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool =
         load_path, client = run.engine.load_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
         if load_path is None:
             raise UserError(f"{checkpoint}: DeepSpeed could not load this checkpoint")
-        state = json.loads((checkpoint / "client_state.json").read_text())
+        state = read_json_object(checkpoint / "client_state.json", "the trainer's client state")
         run.train_reader.load_state_dict(state["reader"])
         _set_rng_state(client["rng"][run.rank] if isinstance(client.get("rng"), list) else client["rng"])
         start_step = state["step"]
@@ -387,12 +377,11 @@ def save_head_files(run: TrainingRun) -> Path:
     from mtp_train.heads import save_head
 
     head_dir = run.run_dir / "head"
-    if run.recipe.train.zero_stage == 3:  # every rank gathers, rank 0 writes
-        with deepspeed.zero.GatheredParameters(list(run.engine.module.parameters()), modifier_rank=None):
-            if run.is_main:
-                save_head(run.engine.module, head_dir, dtype=HEAD_STORAGE_DTYPE)
-    elif run.is_main:
-        save_head(run.engine.module, head_dir, dtype=HEAD_STORAGE_DTYPE)
+    gathered = (deepspeed.zero.GatheredParameters(list(run.engine.module.parameters()), modifier_rank=None)
+                if run.recipe.train.zero_stage == 3 else nullcontext())  # ZeRO-3: every rank gathers, rank 0 writes
+    with gathered:
+        if run.is_main:
+            save_head(run.engine.module, head_dir, dtype=HEAD_STORAGE_DTYPE)
     return head_dir
 
 

@@ -1,4 +1,4 @@
-"""The `train` subcommand."""
+"""`mtp-train train`: fit the recipe's draft head on the feature cache (train/trainer.py)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """`mtp-train generate`: chat with a target model through the runtime (streams text; `--json` for machines).
 
-With `--head DIR` (a trained draft head, MTP chain schedule) or `--draft DIR` (a smaller model with the target's
+With `--head DIR` (a trained draft head: a trainer's head/ or any export format; MTP chain schedule) or `--draft DIR` (a smaller model with the target's
 tokenizer, target–draft schedule) it decodes speculatively; the output is the same as without (token-identical in
-greedy mode) and `--json` adds the acceptance statistics.
-
-A command module (the top layer): it loads heads, so it lives outside `runtime/`, which imports nothing above it."""
+greedy mode) and `--json` adds the acceptance statistics."""
 
 from __future__ import annotations
 
@@ -35,7 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     draft = p.add_mutually_exclusive_group()
     draft.add_argument(
-        "--head", default=None, metavar="DIR", help="decode speculatively with this draft head (MTP chain)"
+        "--head", default=None, metavar="DIR",
+        help="decode speculatively with this draft head (MTP chain): a trainer's head/ or any `export` format",
     )
     draft.add_argument(
         "--draft", default=None, metavar="DIR", help="decode speculatively with this smaller model (same tokenizer)"
@@ -83,33 +82,24 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt_ids = encode_chat(tokenizer, messages, target)
     stops = stop_token_ids(tokenizer, model.config)
 
-    draft = _load_draft(args, model, tokenizer, target, precision)
+    draft = None
+    if args.head or args.draft:
+        from mtp_train.export.load import load_draft
+
+        if not 1 <= args.num_speculative_tokens <= 8:
+            raise UserError(f"--num-speculative-tokens must be in 1..8, got {args.num_speculative_tokens}")
+        draft = load_draft(model, tokenizer, precision, head=args.head, draft_model=args.draft)
 
     streamer = None if args.json else TextStreamer(tokenizer)
     on_tokens = (lambda _i, ids: streamer.push(ids)) if streamer else None
+    options = dict(stop_token_ids=stops, seed=args.seed, on_tokens=on_tokens)
     if draft is None:
-        results, stats = generate(
-            model,
-            [prompt_ids],
-            args.max_new_tokens,
-            sampling,
-            stop_token_ids=stops,
-            seed=args.seed,
-            on_tokens=on_tokens,
-        )
+        results, stats = generate(model, [prompt_ids], args.max_new_tokens, sampling, **options)
     else:
-        from mtp_train.runtime.speculative import speculative_generate
+        from mtp_train.runtime.spec import speculative_generate
 
         results, stats = speculative_generate(
-            model,
-            draft,
-            [prompt_ids],
-            args.max_new_tokens,
-            args.num_speculative_tokens,
-            sampling,
-            stop_token_ids=stops,
-            seed=args.seed,
-            on_tokens=on_tokens,
+            model, draft, [prompt_ids], args.max_new_tokens, args.num_speculative_tokens, sampling, **options
         )
     token_ids = results[0].token_ids
     if token_ids and token_ids[-1] in stops:
@@ -137,32 +127,6 @@ def run_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
-
-
-def _load_draft(args: argparse.Namespace, model, tokenizer, target: str, precision):
-    """The draft for `--head` / `--draft` (None without either). A draft model must use the target's tokenizer."""
-    from mtp_train.errors import UserError
-    from mtp_train.runtime.loader import load_model, load_tokenizer
-
-    if not args.head and not args.draft:
-        return None
-    if not 1 <= args.num_speculative_tokens <= 8:
-        raise UserError(f"--num-speculative-tokens must be in 1..8, got {args.num_speculative_tokens}")
-    if args.head:
-        from mtp_train.heads import load_head
-        from mtp_train.runtime.precision import apply_decode_weights
-
-        return apply_decode_weights(load_head(args.head, model), precision)
-    draft_tokenizer = load_tokenizer(args.draft)
-    target_vocab, draft_vocab = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
-    if target_vocab != draft_vocab:
-        differing = len(set(target_vocab.items()) ^ set(draft_vocab.items()))
-        raise UserError(
-            f"--draft {args.draft}: its tokenizer differs from the target's ({target}): {len(draft_vocab)} vs "
-            f"{len(target_vocab)} tokens, {differing} (token, id) pair(s) differ; a draft model must share the "
-            "target's tokenizer"
-        )
-    return load_model(args.draft, device=model.device, precision=precision)
 
 
 class TextStreamer:

@@ -1,12 +1,10 @@
-"""`mtp-train env`: the facts a bug report or a speed figure needs (as `accelerate env`, `ds_report` and
+"""The facts a bug report or a speed figure needs (`mtp-train env` prints them) (as `accelerate env`, `ds_report` and
 `vllm collect-env` give them): package versions, CPU model and the flags that decide matmul speed, torch's CPU
 capability and BLAS/oneDNN build, threads, CUDA devices, what `target.dtype: auto` resolves to and why, and two ceilings
 measured in about two seconds: matmul GFLOP/s in fp32 and bf16, and memory read bandwidth."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import sys
@@ -14,20 +12,6 @@ from importlib import metadata
 
 PACKAGES = ("mtp_train", "torch", "transformers", "deepspeed", "datasets", "safetensors", "accelerate",
             "flashinfer-python", "wandb")
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "env",
-        help="versions, CPU/GPU facts, what dtype `auto` picks and why, measured matmul and memory ceilings",
-        description="Print the machine and software facts that decide this project's speed (paste it into bug "
-        "reports). Measures fp32/bf16 matmul GFLOP/s and memory read bandwidth in about two seconds.",
-    )
-    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
-    p.add_argument("--no-measure", action="store_true", help="skip the timed matmul and bandwidth measurements")
-    p.add_argument("--reprobe", action="store_true",
-                   help="time the decode matmuls again instead of reading the cached choice of `auto`")
-    p.set_defaults(func=run_env)
 
 
 def _version(name: str) -> str:
@@ -100,9 +84,3 @@ def format_env(env: dict) -> str:
         if measured["read_bandwidth_gbs"] is not None:
             lines.append(f"            memory read bandwidth {measured['read_bandwidth_gbs']} GB/s")
     return "\n".join(lines)
-
-
-def run_env(args: argparse.Namespace) -> int:
-    env = collect_env(measure=not args.no_measure, reprobe=args.reprobe)
-    print(json.dumps(env, indent=2) if args.json else format_env(env))
-    return 0

@@ -1,0 +1,58 @@
+"""`mtp-train draft-vocab`: count the head's training labels and report coverage per draft-vocabulary size
+(features/draft_vocab.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_COVERAGE_SIZES = (4096, 8192, 16384, 32768)
+
+
+def register(subparsers) -> None:
+    from mtp_train.recipe import add_recipe_args
+
+    d = subparsers.add_parser(
+        "draft-vocab",
+        help="count the head's training labels and report coverage per reduced draft-vocabulary size",
+        description="Count, over the training features, the tokens a head is trained to predict (the target's argmax "
+        "or the data's tokens), cache the counts next to the features and print the share of labels covered by the "
+        "top-N tokens for each N. `train` uses the same counts to pick head.draft_vocab_size tokens.",
+    )
+    add_recipe_args(d)
+    d.add_argument("--source", choices=("target", "data"), default=None,
+                   help="label source (default: the recipe's head.draft_vocab_source)")
+    d.add_argument("--sizes", type=int, nargs="+", metavar="N", help="draft vocabulary sizes to report")
+    d.set_defaults(func=run_draft_vocab)
+
+
+def run_draft_vocab(args: argparse.Namespace) -> int:
+    """`draft-vocab`: count the head's training labels, print coverage per draft-vocabulary size, write a report."""
+    import torch
+
+    from mtp_train.features.draft_vocab import coverage_table, load_or_count
+    from mtp_train.fileio import write_json_atomic
+    from mtp_train.recipe import recipe_from_args
+    from mtp_train.runtime.loader import load_model, resolve_device
+    from mtp_train.runtime.precision import resolve_precision
+
+    recipe = recipe_from_args(args)
+    source = args.source or recipe.head.draft_vocab_source
+    features_dir = recipe.features_dir
+    device = resolve_device(recipe.target.device)
+    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
+    target = load_model(recipe.target.path, dtype=precision.dtype, device=device)
+    weight = target.lm_head.weight.detach() if source == "target" else None
+    with torch.inference_mode():
+        counts = load_or_count(features_dir, source, target.config.vocab_size, weight)
+    sizes = sorted({*(args.sizes or DEFAULT_COVERAGE_SIZES)} | (
+        {recipe.head.draft_vocab_size} if isinstance(recipe.head.draft_vocab_size, int) else set()))
+    rows = coverage_table(counts, sizes)
+    labels, distinct = int(counts.sum()), int((counts > 0).sum())
+    print(f"{features_dir}: {labels} labels ({source}), {distinct} distinct tokens of {counts.numel()}")
+    print(f"{'draft_vocab_size':>16}  coverage")
+    for row in rows:
+        print(f"{row['draft_vocab_size']:>16}  {row['coverage']:.4f}")
+    report = {"source": source, "labels": labels, "distinct": distinct, "vocab_size": counts.numel(), "coverage": rows}
+    write_json_atomic(features_dir / "draft_vocab" / f"{source}-coverage.json", report)
+    print(f"wrote {features_dir / 'draft_vocab' / f'{source}-coverage.json'}")
+    return 0

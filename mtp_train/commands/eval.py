@@ -1,0 +1,86 @@
+"""`mtp-train eval`: acceptance and speed of a head (MTP chain) or a draft model (target–draft) vs plain decoding
+(evaluate/evaluation.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    from mtp_train.recipe import add_recipe_args
+
+    p = subparsers.add_parser(
+        "eval",
+        help="measure τ, acceptance and speedup through the speculative inference path",
+        description="Run plain and speculative decoding (same prompts, same settings, batch 1) and write "
+        "report.json, report.md and PNG plots. Default draft: the recipe run's head (runs/<name>/head).",
+    )
+    add_recipe_args(p)
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--head", default=None, help="draft head directory (native or any exported format)")
+    group.add_argument("--draft", default=None, help="draft model directory (target–draft schedule)")
+    p.add_argument("--prompts", default=None, help="MT-bench-format JSONL (default: eval.prompts, else held-out split)")
+    p.add_argument("--limit", type=int, default=None, help="prompts evaluated (default: eval.limit)")
+    p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=None, metavar="K",
+                   help="k values (default: eval.num_speculative_tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--out", default=None, help="report directory (default: <run_dir>/eval)")
+    p.add_argument("--run-dir", default=None, help="log the results into this run's metrics.jsonl / W&B")
+    p.add_argument("--no-prompt-lookup", action="store_true",
+                   help="skip the prompt-lookup (n-gram) baseline that runs beside the draft by default")
+    p.set_defaults(func=run_eval_command)
+
+
+def run_eval_command(args: argparse.Namespace) -> int:
+    from mtp_train.errors import UserError
+    from mtp_train.recipe import recipe_from_args
+
+    recipe = recipe_from_args(args)
+    run_dir = recipe.run_dir
+    head_dir = args.head or (None if args.draft else str(run_dir / "head"))
+    if head_dir and not Path(head_dir).is_dir():
+        raise UserError(f"{head_dir}: head directory not found (train first, or pass --head DIR / --draft DIR)")
+    ks = args.num_speculative_tokens or list(recipe.eval.num_speculative_tokens)
+    bad = [k for k in ks if not 1 <= k <= 8]
+    if bad:
+        raise UserError(f"--num-speculative-tokens: {bad} out of range; expected 1..8")
+    report = run_evaluation(
+        recipe,
+        head_dir=head_dir,
+        draft_dir=args.draft,
+        prompts_path=args.prompts or recipe.eval.prompts,
+        limit=args.limit if args.limit is not None else recipe.eval.limit,
+        ks=ks,
+        max_new_tokens=args.max_new_tokens or recipe.eval.max_new_tokens,
+        out_dir=Path(args.out) if args.out else run_dir / "eval",
+        log_run_dir=Path(args.run_dir) if args.run_dir else (run_dir if head_dir == str(run_dir / "head") else None),
+        prompt_lookup=not args.no_prompt_lookup,
+    )
+    best = report.get("best", {})
+    print(f"eval: plain {report['overall']['plain']['tokens_per_s']:.1f} tok/s; best {best.get('method')}: "
+          f"τ {best.get('tau', 0):.3f}, speedup {best.get('speedup', 0):.2f}×; report in {report['out_dir']}")
+    return 0
+
+
+def run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_tokens, out_dir: Path,
+                   log_run_dir: Path | None = None, show_progress: bool = True, prompt_lookup: bool = True) -> dict:
+    """Load the target (in the precision `auto` resolves to) and the draft: the head at `head_dir` (a trainer's head/
+    or any export format) or the model at `draft_dir`; then `evaluate`."""
+    from mtp_train.evaluate.evaluation import evaluate
+    from mtp_train.export.load import load_draft
+    from mtp_train.runtime.loader import load_model, load_tokenizer, resolve_device
+    from mtp_train.runtime.precision import resolve_precision
+
+    device = resolve_device(recipe.target.device)
+    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device)
+    print(f"eval: {precision.describe()}", flush=True)
+    target = load_model(recipe.target.path, device=device, precision=precision)
+    tokenizer = load_tokenizer(recipe.target.path)
+    draft = load_draft(target, tokenizer, precision, head=head_dir, draft_model=draft_dir)
+    if head_dir:
+        method, kind, draft_path = draft.kind, f"head ({draft.kind})", head_dir
+    else:
+        method, kind, draft_path = "draft", "draft model (target–draft)", draft_dir
+    return evaluate(recipe, target, tokenizer, precision, draft, method, kind, draft_path, prompts_path, limit, ks,
+                    max_new_tokens, out_dir, log_run_dir, show_progress, prompt_lookup)

@@ -1,0 +1,75 @@
+"""One evaluation: plain decoding, a draft (head or model) and the prompt-lookup baseline at each k, over the same
+prompts with the same settings; report.json, report.md, plots, and the results logged into the training run.
+The draft arrives loaded (`mtp-train eval` loads any head format through `export.load_any_head`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, draft_kind: str, draft_path: str,
+             prompts_path, limit, ks, max_new_tokens, out_dir: Path, log_run_dir: Path | None = None,
+             show_progress: bool = True, prompt_lookup: bool = True) -> dict:
+    """Plain decoding, `draft` (reported as `draft_method`@k) and, if `prompt_lookup`, the n-gram baseline, at each
+    k. `target` is loaded with `precision`; the draft computes like it."""
+    from mtp_train.evaluate.prompts import load_heldout, load_mt_bench
+    from mtp_train.evaluate.report import build_report, write_markdown, write_plots
+    from mtp_train.evaluate.runner import run_methods
+    from mtp_train.fileio import write_json_atomic
+    from mtp_train.runtime.chat import stop_token_ids
+    from mtp_train.runtime.hardware import machine_name
+    from mtp_train.runtime.sampler import SamplingParams
+    from mtp_train.runtime.spec import PromptLookup
+
+    if prompts_path:
+        prompt_set = load_mt_bench(prompts_path, limit)
+    else:
+        prompt_set = load_heldout(recipe.prepared_dir, limit)
+    sampling = SamplingParams(temperature=recipe.eval.temperature)
+    drafts = {draft_method: draft, **({"lookup": PromptLookup()} if prompt_lookup else {})}
+    totals = run_methods(target, tokenizer, prompt_set.prompts, drafts, ks, max_new_tokens, sampling,
+                         stop_token_ids(tokenizer, target.config), show_progress=show_progress)
+    meta = {
+        "name": recipe.name, "target": str(recipe.target.path), "draft": str(draft_path), "draft_kind": draft_kind,
+        "draft_method": draft_method,
+        "prompts": prompt_set.source, "num_prompts": len(prompt_set.prompts), "skipped": prompt_set.skipped,
+        "settings": {"dtype": precision.dtype, "decode_dtype": precision.decode_dtype,
+                     "decode_max_rows": precision.decode_max_rows, "precision_reason": precision.reason,
+                     "cpu_capability": machine_name(target.device), "batch_size": 1,
+                     "max_new_tokens": max_new_tokens, "temperature": recipe.eval.temperature,
+                     "num_speculative_tokens": ks},
+    }
+    report = build_report(totals, meta)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report["out_dir"] = str(out_dir)
+    write_json_atomic(out_dir / "report.json", report)
+    write_markdown(report, out_dir / "report.md")
+    plots = write_plots(report, out_dir)
+    if log_run_dir is not None and log_run_dir.is_dir():
+        _log_to_run(recipe, log_run_dir, report, plots)
+    return report
+
+
+def _log_to_run(recipe, run_dir: Path, report: dict, plots: list[Path]) -> None:
+    """Append the eval results to the run's metrics.jsonl (and its W&B run, resumed by id, when enabled)."""
+    metrics_path = run_dir / "metrics.jsonl"
+    last_step = 0
+    if metrics_path.is_file():
+        lines = [l for l in metrics_path.read_text().splitlines() if l.strip()]
+        last_step = json.loads(lines[-1])["step"] if lines else 0
+    row = {"step": last_step}
+    for method, r in report["overall"].items():
+        for key in ("tau", "mean_acceptance_length", "alpha", "tokens_per_s", "speedup", "speedup_median"):
+            if key in r:
+                row[f"eval/{method}/{key}"] = r[key]
+    with metrics_path.open("a") as stream:
+        stream.write(json.dumps(row) + "\n")
+    if recipe.tracking.wandb.mode != "disabled" and (run_dir / "wandb_run_id").is_file():
+        from mtp_train.train.tracking import Tracker
+
+        tracker = Tracker(run_dir, recipe, enabled=True, resume=True)
+        if tracker.wandb_run is not None:
+            tracker.wandb_run.log({k: v for k, v in row.items() if k != "step"})
+            tracker.log_files(plots)
+            tracker.wandb_run.finish()

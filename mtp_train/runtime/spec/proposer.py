@@ -1,0 +1,198 @@
+"""What every proposer shares (vLLM: one proposer per module under v1/spec_decode/): the request a proposer drafts
+for, the base of its per-request state, the draft loop that samples up to k tokens from its logits, and
+`make_proposer`, which picks the proposer for a draft.
+
+A proposer is one module: a `Proposer` subclass (`schedule`, `accepts`, `catch_up`, `draft_step`) with its own
+`DraftState` subclass. Subclasses register themselves when their module is imported (`spec/__init__.py` imports
+them); `make_proposer` takes the one that accepts the draft (at most one does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.runtime.kv_cache import KVCache, PageAllocator, Sequence
+from mtp_train.runtime.model import CausalLM
+from mtp_train.runtime.sampler import SamplingParams, processed_probs, sample_from_probs
+
+
+def rewind(view: Sequence, num_tokens: int) -> None:
+    """Forget a view's cached positions >= num_tokens. Pages are not freed here: the request owns them."""
+    if num_tokens > view.num_cached:
+        raise ValueError(f"cannot rewind sequence {view.seq_id} to {num_tokens} > {view.num_cached} cached")
+    view.num_cached = num_tokens
+
+
+@dataclass
+class DraftState:
+    """A proposer's state for one request; each proposer subclasses it with what it carries between steps."""
+
+    view: Sequence | None = None  # the draft cache's view on the request's pages (None: the proposer has no cache)
+    next_logits: torch.Tensor | None = None  # [vocab] fp32: the draft's prediction of the token after the committed
+
+    @property
+    def num_cached(self) -> int:
+        return self.view.num_cached if self.view is not None else 0
+
+    def clear(self) -> None:
+        """Drop what a finished request holds (subclasses also drop their own tensors)."""
+        if self.view is not None:
+            self.view.num_cached = 0
+        self.next_logits = None
+
+
+@dataclass
+class Request:
+    """One sequence being generated: its tokens, its block table (one page list shared by target and draft), the
+    target's cache view on it and the proposer's state."""
+
+    index: int  # position in the caller's prompt list
+    token_ids: list[int]  # prompt + committed generated tokens
+    pages: list[int]  # the block table, shared by both views (same list object)
+    draft: DraftState
+    target_view: Sequence = field(init=False)  # positions whose K/V the target cache holds
+
+    def __post_init__(self) -> None:
+        self.target_view = Sequence(self.index, pages=self.pages)
+
+    def trim_pages(self, allocator: PageAllocator) -> None:
+        """Free the pages neither view needs any more."""
+        needed = -(-max(self.target_view.num_cached, self.draft.num_cached) // allocator.page_size)
+        if needed < len(self.pages):
+            allocator.free(self.pages[needed:])
+            del self.pages[needed:]
+
+    def release(self, allocator: PageAllocator) -> None:
+        allocator.free(self.pages)
+        self.pages.clear()
+        self.target_view.num_cached = 0
+        self.draft.clear()
+
+
+@dataclass
+class DraftProposal:
+    draft_token_ids: torch.Tensor  # [k_b] int64
+    draft_probs: torch.Tensor | None  # [k_b, vocab] fp32 distributions they were sampled from (None when greedy)
+
+
+_PROPOSERS: list[type[Proposer]] = []  # every Proposer subclass, in import order
+
+
+class Proposer:
+    """Drafts tokens for a batch of requests, from a draft whose KV cache (if any) lives on the shared allocator.
+
+    Subclasses implement `accepts` (is `draft` mine?), `catch_up` (feed the draft what the target committed; set each
+    request's `draft.next_logits`) and `draft_step` (one autoregressive draft token per request)."""
+
+    schedule = ""
+    state_class: type[DraftState] = DraftState
+    draft_description = ""  # how make_proposer's error names the drafts this proposer takes ("" = not named)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        _PROPOSERS.append(cls)
+
+    def __init__(self, target: CausalLM, allocator: PageAllocator, kv_cache: KVCache | None = None):
+        self.kv_cache = kv_cache
+        self.allocator = allocator
+        self.device = target.device
+        self.forwards = 0
+        # A draft with a reduced vocabulary: draft logits are [m, N] and draft id i is target id draft_ids[i].
+        self.draft_ids: torch.Tensor | None = None  # [N] int64
+        self.target_vocab_size: int | None = None
+
+    @classmethod
+    def accepts(cls, draft) -> bool:
+        raise NotImplementedError
+
+    def new_state(self, index: int, pages: list[int]) -> DraftState:
+        """The state of request `index`: with a draft cache, a view on the request's page list."""
+        return self.state_class(view=Sequence(index, pages=pages) if self.kv_cache is not None else None)
+
+    def check_lengths(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """Raise UserError if the draft cannot hold prompt + max_new_tokens positions (a draft model's limit)."""
+
+    def observe_target(self, state: DraftState, hidden: torch.Tensor, first_position: int) -> None:
+        """The target's hidden states [n, d] at positions first_position.. of its last forward over this request (the
+        committed ones only); a proposer that drafts from them keeps them for `catch_up`."""
+
+    def catch_up(self, requests: list[Request]) -> None:
+        raise NotImplementedError
+
+    def draft_step(
+        self, requests: list[Request], token_ids: torch.Tensor, carried: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed each request its last draft token (`token_ids` [m]) at its next position; returns the logits for the
+        next draft [m, vocab] and the new carried state (MTP: head outputs [m, d]; else None)."""
+        raise NotImplementedError
+
+    def initial_carry(self, requests: list[Request]) -> torch.Tensor | None:
+        return None
+
+    def _to_target(self, drafted: torch.Tensor, step_probs: torch.Tensor | None):
+        """Draft ids [m] -> target ids; draft-vocabulary probabilities [m, N] -> [m, V], zero outside the draft
+        vocabulary (rejection sampling stays exact: q is the distribution the draft was sampled from)."""
+        if self.draft_ids is None:
+            return drafted, step_probs
+        if step_probs is not None:
+            full = step_probs.new_zeros(step_probs.shape[0], self.target_vocab_size)
+            step_probs = full.index_copy_(1, self.draft_ids, step_probs)
+        return self.draft_ids[drafted], step_probs
+
+    def propose(
+        self,
+        requests: list[Request],
+        num_drafts: list[int],
+        sampling: SamplingParams,
+        generator: torch.Generator,
+    ) -> list[DraftProposal]:
+        """Draft `num_drafts[b]` tokens for request b (0 allowed), starting from the carried `draft.next_logits`."""
+        batch_size = len(requests)
+        tokens: list[list[int]] = [[] for _ in range(batch_size)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]  # [vocab] rows
+        rows = [b for b in range(batch_size) if num_drafts[b] > 0]  # requests drafting at this position
+        if rows:
+            logits = torch.stack([requests[b].draft.next_logits for b in rows])  # [m, vocab]
+            carried = self.initial_carry([requests[b] for b in rows])
+        for j in range(max(num_drafts, default=0)):
+            if j > 0:
+                keep = [i for i, b in enumerate(rows) if num_drafts[b] > j]
+                rows = [rows[i] for i in keep]
+                keep_index = torch.tensor(keep, device=self.device)
+                carried = carried[keep_index] if carried is not None else None
+                logits, carried = self.draft_step([requests[b] for b in rows], drafted[keep_index], carried)
+            if sampling.greedy:
+                drafted = logits.argmax(-1)  # [m]
+                step_probs = None
+            else:
+                step_probs = processed_probs(logits, sampling)  # [m, vocab]
+                drafted = sample_from_probs(step_probs, generator)  # [m]
+            drafted, step_probs = self._to_target(drafted, step_probs)  # target ids, [m, V] probabilities
+            drafted_ids = drafted.tolist()
+            prob_rows = step_probs.unbind(0) if step_probs is not None else None
+            for i, b in enumerate(rows):
+                tokens[b].append(drafted_ids[i])
+                if prob_rows is not None:
+                    probs[b].append(prob_rows[i])
+        proposals = []
+        for b in range(batch_size):
+            draft_token_ids = torch.tensor(tokens[b], dtype=torch.long, device=self.device)
+            draft_probs = None
+            if not sampling.greedy:
+                vocab = self.target_vocab_size or requests[b].draft.next_logits.shape[-1]
+                draft_probs = torch.stack(probs[b]) if probs[b] else torch.zeros(0, vocab, device=self.device)
+            proposals.append(DraftProposal(draft_token_ids, draft_probs))
+        return proposals
+
+
+def make_proposer(target: CausalLM, draft, allocator: PageAllocator) -> Proposer:
+    """The proposer for `draft`: the registered proposer that accepts it (target–draft for a `CausalLM`, MTP chain
+    for a head with forward/logits/new_kv_cache, n-gram lookup for `PromptLookup`)."""
+    for proposer_class in _PROPOSERS:
+        if proposer_class.accepts(draft):
+            return proposer_class(target, draft, allocator)
+    kinds = " or ".join(sorted(c.draft_description for c in _PROPOSERS if c.draft_description))
+    raise UserError(f"draft must be {kinds}, got {type(draft).__name__}")
