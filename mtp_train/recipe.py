@@ -525,17 +525,10 @@ def save_resolved(recipe: Recipe, directory: str | os.PathLike[str]) -> Path:
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     """Add `--recipe PATH` and repeatable `--set KEY=VALUE` to a subcommand's parser (dest: recipe, overrides)."""
     parser.add_argument(
-        "--recipe",
-        default=DEFAULT_RECIPE_PATH,
-        metavar="PATH",
-        help=f"recipe YAML (default: {DEFAULT_RECIPE_PATH})",
+        "--recipe", default=DEFAULT_RECIPE_PATH, metavar="PATH", help=f"recipe YAML (default: {DEFAULT_RECIPE_PATH})"
     )
     parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a recipe value, e.g. --set train.lr=3e-4 (YAML values; repeatable)",
     )
 

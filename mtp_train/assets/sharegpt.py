@@ -46,11 +46,7 @@ def normalize_sharegpt_record(record: Any) -> dict[str, Any]:
         raise MalformedRecord("empty_conversation")
     out = []
     for turn in turns:
-        if (
-            not isinstance(turn, dict)
-            or not isinstance(turn.get("from"), str)
-            or not isinstance(turn.get("value"), str)
-        ):
+        if not (isinstance(turn, dict) and isinstance(turn.get("from"), str) and isinstance(turn.get("value"), str)):
             raise MalformedRecord("malformed_turn")
         role = ROLE_ALIASES.get(turn["from"].strip().lower())
         if role is None:

@@ -46,12 +46,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if bad:
         raise UserError(f"--num-speculative-tokens: {bad} out of range; expected 1..8")
     report = run_evaluation(
-        recipe,
-        head_dir=head_dir,
-        draft_dir=args.draft,
-        prompts_path=args.prompts or recipe.eval.prompts,
-        limit=args.limit if args.limit is not None else recipe.eval.limit,
-        ks=ks,
+        recipe, head_dir=head_dir, draft_dir=args.draft, prompts_path=args.prompts or recipe.eval.prompts,
+        limit=args.limit if args.limit is not None else recipe.eval.limit, ks=ks,
         max_new_tokens=args.max_new_tokens or recipe.eval.max_new_tokens,
         out_dir=Path(args.out) if args.out else run_dir / "eval",
         log_run_dir=Path(args.run_dir) if args.run_dir else (run_dir if head_dir == str(run_dir / "head") else None),

@@ -21,33 +21,20 @@ def register(subparsers) -> None:
     p.add_argument("--format", required=True, help=f"one of: {', '.join(FORMAT_NAMES)}")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --overwrite)")
     p.add_argument("--target", default=None, help="the target model directory the head was trained for (required)")
-    p.add_argument(
-        "--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: the head's stored dtype"
-    )
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="default: the head's stored dtype")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-    p.add_argument(
-        "--num-speculative-tokens", type=int, default=3, help="speculators: proposal_methods[0].speculative_tokens"
-    )
-    p.add_argument(
-        "--verifier-name",
-        default=None,
-        help="speculators: verifier.name_or_path to record (default: the --target path)",
-    )
+    p.add_argument("--num-speculative-tokens", type=int, default=3,
+                   help="speculators: proposal_methods[0].speculative_tokens")
+    p.add_argument("--verifier-name", default=None,
+                   help="speculators: verifier.name_or_path to record (default: the --target path)")
     p.set_defaults(func=run_export)
 
 
 def run_export(args: argparse.Namespace) -> int:
     from mtp_train.export.exporter import export_head
 
-    out = export_head(
-        args.head,
-        args.format,
-        args.out,
-        args.target,
-        dtype=args.dtype,
-        overwrite=args.overwrite,
-        num_speculative_tokens=args.num_speculative_tokens,
-        verifier_name=args.verifier_name,
-    )
+    out = export_head(args.head, args.format, args.out, args.target, dtype=args.dtype, overwrite=args.overwrite,
+                      num_speculative_tokens=args.num_speculative_tokens, verifier_name=args.verifier_name)
     print(f"wrote {args.format} export to {out}")
     return 0

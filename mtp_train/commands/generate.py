@@ -1,8 +1,8 @@
 """`mtp-train generate`: chat with a target model through the runtime (streams text; `--json` for machines).
 
-With `--head DIR` (a trained draft head: a trainer's head/ or any export format; MTP chain schedule) or `--draft DIR` (a smaller model with the target's
-tokenizer, target–draft schedule) it decodes speculatively; the output is the same as without (token-identical in
-greedy mode) and `--json` adds the acceptance statistics."""
+With `--head DIR` (a trained draft head: a trainer's head/ or any export format; MTP chain schedule) or `--draft DIR`
+(a smaller model with the target's tokenizer, target–draft schedule) it decodes speculatively; the output is the same
+as without (token-identical in greedy mode) and `--json` adds the acceptance statistics."""
 
 from __future__ import annotations
 
@@ -32,20 +32,13 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     draft = p.add_mutually_exclusive_group()
-    draft.add_argument(
-        "--head", default=None, metavar="DIR",
-        help="decode speculatively with this draft head (MTP chain): a trainer's head/ or any `export` format",
-    )
-    draft.add_argument(
-        "--draft", default=None, metavar="DIR", help="decode speculatively with this smaller model (same tokenizer)"
-    )
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=3,
-        metavar="K",
-        help="draft tokens per step with --head/--draft (1..8, default 3)",
-    )
+    draft.add_argument("--head", default=None, metavar="DIR",
+                       help="decode speculatively with this draft head (MTP chain): a trainer's head/ or any `export` "
+                       "format")
+    draft.add_argument("--draft", default=None, metavar="DIR",
+                       help="decode speculatively with this smaller model (same tokenizer)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+                   help="draft tokens per step with --head/--draft (1..8, default 3)")
     p.set_defaults(func=run_generate)
 
 
@@ -106,26 +99,16 @@ def run_generate(args: argparse.Namespace) -> int:
         token_ids = token_ids[:-1]
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "text": text,
-                    "token_ids": token_ids,
-                    "num_tokens": len(token_ids),
-                    "finish_reason": results[0].finish_reason,
-                    "tokens_per_s": round(stats.tokens_per_s, 2),
-                    "prompt_tokens": len(prompt_ids),
-                    **({"stats": stats.to_dict()} if draft is not None else {}),
-                }
-            )
-        )
+        print(json.dumps({
+            "text": text, "token_ids": token_ids, "num_tokens": len(token_ids),
+            "finish_reason": results[0].finish_reason, "tokens_per_s": round(stats.tokens_per_s, 2),
+            "prompt_tokens": len(prompt_ids), **({"stats": stats.to_dict()} if draft is not None else {}),
+        }))
     else:
         streamer.finish()
         spec = f", tau {stats.tau:.2f}, alpha {stats.alpha:.2f}" if draft is not None else ""
-        print(
-            f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s{spec}, {results[0].finish_reason}]",
-            file=sys.stderr,
-        )
+        print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s{spec}, {results[0].finish_reason}]",
+              file=sys.stderr)
     return 0
 
 

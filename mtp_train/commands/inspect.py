@@ -27,18 +27,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     target = Target.from_directory(args.target) if args.target else None
     report = inspect_dir(args.directory, target)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "directory": str(report.directory),
-                    "format": report.format,
-                    "tensors": {k: {"shape": list(s), "dtype": d} for k, (s, d) in sorted(report.tensors.items())},
-                    "problems": report.problems,
-                    "ok": report.ok,
-                },
-                indent=2,
-            )
-        )
+        tensors = {k: {"shape": list(s), "dtype": d} for k, (s, d) in sorted(report.tensors.items())}
+        print(json.dumps({"directory": str(report.directory), "format": report.format, "tensors": tensors,
+                          "problems": report.problems, "ok": report.ok}, indent=2))
     else:
         print(format_report(report))
     return 0 if report.ok else 1

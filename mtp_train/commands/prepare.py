@@ -67,8 +67,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--strict", action="store_true", help="fail on the first malformed row instead of skipping it")
     parser.add_argument("--limit", type=_positive_int, metavar="N", help="read at most N rows over all sources")
     parser.add_argument(
-        "--regenerate",
-        action="store_true",
+        "--regenerate", action="store_true",
         help="replace assistant turns by the target's own replies (self-distillation)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if the output is up to date")

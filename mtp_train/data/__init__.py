@@ -9,36 +9,6 @@ Submodules (none imports torch/transformers/datasets at import time, so `mtp-tra
 - `prepared`: the on-disk format of `prepare`'s output (`load_prepared`, fingerprints, split assignment);
 - `json_array`: a (possibly cut-off) JSON array read element by element;
 - `prepare`: the prepare stage (`prepare_dataset`; the command is `mtp_train.commands.prepare`).
+
+Import from the submodules (nothing is re-exported here).
 """
-
-from mtp_train.data.conversations import (
-    Conversation,
-    Message,
-    RowSkipped,
-    SourceStats,
-    iter_conversations,
-    normalize_for_training,
-    read_conversations,
-)
-from mtp_train.data.prepared import PreparedDataset, eval_split_of, load_prepared, prompt_before_first_reply
-from mtp_train.data.regenerate import GenerateFn, regenerate_conversations
-from mtp_train.data.templating import AssistantMaskRenderer, TokenizedConversation, load_chat_tokenizer
-
-__all__ = [
-    "AssistantMaskRenderer",
-    "Conversation",
-    "GenerateFn",
-    "Message",
-    "PreparedDataset",
-    "RowSkipped",
-    "SourceStats",
-    "TokenizedConversation",
-    "eval_split_of",
-    "iter_conversations",
-    "load_chat_tokenizer",
-    "load_prepared",
-    "normalize_for_training",
-    "prompt_before_first_reply",
-    "read_conversations",
-    "regenerate_conversations",
-]

@@ -36,14 +36,8 @@ Message = dict[str, str]
 
 ROLE_ALIASES: dict[str, Role] = {
     "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-    "assistant": "assistant",
-    "model": "assistant",
+    **dict.fromkeys(("human", "user"), "user"),
+    **dict.fromkeys(("gpt", "chatgpt", "bing", "bard", "assistant", "model"), "assistant"),
 }
 
 _FORMAT_KEYS = {"sharegpt": "conversations", "messages": "messages", "mt_bench": "turns"}
@@ -63,6 +57,10 @@ class Conversation:
     messages: list[Message]
     origin: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    def with_messages(self, messages: list[Message]) -> Conversation:
+        """The same conversation (source_id, origin, a copy of the metadata) with other messages."""
+        return Conversation(self.source_id, messages, self.origin, dict(self.metadata))
 
 
 class RowSkipped(Exception):
@@ -425,4 +423,4 @@ def normalize_for_training(
     if last_assistant < len(messages) - 1:
         messages = messages[: last_assistant + 1]
         stats.adjusted["trailing user turns dropped"] += 1
-    return Conversation(conversation.source_id, messages, conversation.origin, dict(conversation.metadata))
+    return conversation.with_messages(messages)

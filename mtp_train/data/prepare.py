@@ -116,10 +116,6 @@ class PrepareResult:
     up_to_date: bool
 
 
-def _canonical_hash(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
 def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
     """The GenerateFn for `--regenerate`, backed by the target loaded through `mtp_train.runtime`.
 
@@ -226,23 +222,15 @@ class _SamplePipeline:
         data = self.recipe.data
         limits = [limit for limit in (source.limit, self._remaining_rows()) if limit is not None]
         conversations = iter_conversations(
-            source.path,
-            source.format,
-            stats=source_stats,
-            strict=self.strict,
-            split=source.split,
+            source.path, source.format, stats=source_stats, strict=self.strict, split=source.split,
             limit=min(limits) if limits else None,
         )
         cleaned = self._cleaned(conversations, source_stats)
         if self.generate_fn is not None:
             assert self.regeneration_progress is not None and self.stats.regeneration is not None
             cleaned = regenerate_conversations(
-                cleaned,
-                self.generate_fn,
-                self.regeneration_progress,
-                batch_size=data.regenerate.batch_size,
-                stats=self.stats.regeneration,
-                max_turns=data.regenerate.max_turns,
+                cleaned, self.generate_fn, self.regeneration_progress, batch_size=data.regenerate.batch_size,
+                stats=self.stats.regeneration, max_turns=data.regenerate.max_turns,
             )
         for conversation in cleaned:
             row = self._tokenized_row(conversation, source_stats)
@@ -285,12 +273,7 @@ class _SamplePipeline:
         split_stats.tokens += len(input_ids)
         split_stats.assistant_tokens += sum(loss_mask)
         source_stats.kept += 1
-        return {
-            "input_ids": input_ids,
-            "loss_mask": loss_mask,
-            "source_id": conversation.source_id,
-            "split": split,
-        }
+        return {"input_ids": input_ids, "loss_mask": loss_mask, "source_id": conversation.source_id, "split": split}
 
 
 def _inputs_fingerprint(recipe: Recipe, tokenizer_digest: str, row_limit: int | None) -> dict[str, Any]:
@@ -334,7 +317,7 @@ def prepare_dataset(
         if not Path(source.path).exists():
             raise UserError(f"data.sources: {source.path}: not found")
     inputs = _inputs_fingerprint(recipe, tokenizer_digest, row_limit)
-    inputs_hash = _canonical_hash(inputs)
+    inputs_hash = hashlib.sha256(json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     if not force and _is_up_to_date(output_dir, inputs_hash):
         logger.info("%s is up to date (same recipe, tokenizer and sources); --force rebuilds it", output_dir)
         stats_json = read_json_object(output_dir / STATS_FILENAME)
@@ -354,14 +337,8 @@ def prepare_dataset(
         generate_fn = None
 
     pipeline = _SamplePipeline(
-        recipe,
-        AssistantMaskRenderer(tokenizer),
-        stats,
-        strict=strict,
-        row_limit=row_limit,
-        generate_fn=generate_fn,
-        regeneration_progress=regeneration_progress,
-        show_progress=show_progress,
+        recipe, AssistantMaskRenderer(tokenizer), stats, strict=strict, row_limit=row_limit, generate_fn=generate_fn,
+        regeneration_progress=regeneration_progress, show_progress=show_progress,
     )
     staging_dir = work_dir / "staging"
     cache_dir = work_dir / "hf_cache"
@@ -439,9 +416,7 @@ def _generate_dataset(pipeline: _SamplePipeline, cache_dir: Path, inputs_hash: s
     features["split"] = datasets.Value("string")
     try:
         return datasets.Dataset.from_generator(
-            pipeline.rows,
-            features=features,
-            cache_dir=str(cache_dir),
+            pipeline.rows, features=features, cache_dir=str(cache_dir),
             fingerprint=f"prepare-{inputs_hash[:16]}-{time.time_ns()}",
         )
     except Exception as err:  # datasets wraps errors raised inside the generator; surface ours unchanged

@@ -57,13 +57,9 @@ def load_finished(progress_path: Path) -> dict[str, list[Message]]:
                 continue
             good_bytes += len(raw_line)
     if good_bytes != progress_path.stat().st_size:
-        _rewrite_progress(progress_path, finished)
+        records = ({"source_id": source_id, "messages": messages} for source_id, messages in finished.items())
+        atomic_write_text(progress_path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
     return finished
-
-
-def _rewrite_progress(progress_path: Path, finished: dict[str, list[Message]]) -> None:
-    records = ({"source_id": source_id, "messages": messages} for source_id, messages in finished.items())
-    atomic_write_text(progress_path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
 
 
 def _regenerate_batch(
@@ -91,24 +87,15 @@ def _regenerate_batch(
             rebuilt[slot].append({"role": "assistant", "content": reply})
             cursors[slot] += 1
         stats.replies += len(waiting)
-    return [
-        Conversation(conversation.source_id, messages, conversation.origin, dict(conversation.metadata))
-        for conversation, messages in zip(batch, rebuilt)
-    ]
+    return [conversation.with_messages(messages) for conversation, messages in zip(batch, rebuilt)]
 
 
 def _first_turns(conversation: Conversation, max_turns: int) -> Conversation:
     """The conversation up to (not including) its (max_turns+1)-th user message."""
-    user_turns = 0
-    for cut, message in enumerate(conversation.messages):
-        if message["role"] == "user":
-            user_turns += 1
-            if user_turns > max_turns:
-                return Conversation(
-                    conversation.source_id, conversation.messages[:cut], conversation.origin,
-                    dict(conversation.metadata),
-                )
-    return conversation
+    user_turns = [index for index, message in enumerate(conversation.messages) if message["role"] == "user"]
+    if len(user_turns) <= max_turns:
+        return conversation
+    return conversation.with_messages(conversation.messages[: user_turns[max_turns]])
 
 
 def regenerate_conversations(
@@ -163,9 +150,7 @@ def regenerate_conversations(
         done_messages = finished.get(conversation.source_id)
         if done_messages is not None:
             stats.resumed += 1
-            resumed = Conversation(
-                conversation.source_id, done_messages, conversation.origin, dict(conversation.metadata)
-            )
+            resumed = conversation.with_messages(done_messages)
             if pending:
                 pending.append(resumed)  # keep input order behind conversations still waiting for generation
             else:
@@ -175,5 +160,4 @@ def regenerate_conversations(
         to_generate.append(conversation)
         if len(to_generate) >= batch_size:
             yield from flush()
-    yield from flush()
     yield from flush()

@@ -131,14 +131,10 @@ class AssistantMaskRenderer:
             raise UserError(f"the tokenizer has no chat template; {CHAT_TEMPLATE_HINT}")
         self.tokenizer = tokenizer
         added_tokens = {token.content: token for token in tokenizer.added_tokens_decoder.values()}
-        self.control_token_strings = sorted(added_tokens, key=len, reverse=True)
-        self._control_token_pattern = (
-            re.compile("|".join(map(re.escape, self.control_token_strings))) if self.control_token_strings else None
-        )
         special = {content for content, token in added_tokens.items() if token.special}
         special.update(token for token in tokenizer.all_special_tokens if token)
         self._special_token_pattern = _longest_first_pattern(special)
-        self._added_token_pattern = _longest_first_pattern(set(added_tokens))
+        self._added_token_pattern = _longest_first_pattern(set(added_tokens))  # also finds control tokens in content
 
     # -- rendering ---------------------------------------------------------------------------------------------------
 
@@ -218,10 +214,10 @@ class AssistantMaskRenderer:
 
     def contains_control_token(self, messages: Sequence[Message]) -> str | None:
         """The first control-token string found in any message's content, or None."""
-        if self._control_token_pattern is None:
+        if self._added_token_pattern is None:
             return None
         for message in messages:
-            match = self._control_token_pattern.search(message["content"])
+            match = self._added_token_pattern.search(message["content"])
             if match:
                 return match.group(0)
         return None

@@ -20,11 +20,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
+from mtp_train.evaluate.report import label_axes, save_figure
+from mtp_train.fileio import atomic_write_text, read_json_object, write_json_atomic
 from mtp_train.recipe import flatten_recipe
 
 DEFAULT_OUT = "runs/compare"
@@ -58,19 +61,15 @@ class Run:
 
 
 def _read_json(path: Path, run: Run) -> dict[str, Any] | None:
-    rel = path.relative_to(run.path).as_posix()
+    """The JSON object at `path`, or None with a note on `run` (a missing or unreadable piece is never fatal)."""
     if not path.is_file():
-        run.notes.append(f"no {rel}")
+        run.notes.append(f"no {path.relative_to(run.path).as_posix()}")
         return None
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        run.notes.append(f"{rel}: unreadable ({err})")
+        return read_json_object(path)
+    except UserError as err:
+        run.notes.append(str(err))
         return None
-    if not isinstance(value, dict):
-        run.notes.append(f"{rel}: expected a JSON object, got {type(value).__name__}")
-        return None
-    return value
 
 
 def _read_report(path: Path, run: Run) -> dict[str, Any] | None:
@@ -145,9 +144,7 @@ def load_run(path: str | Path) -> Run:
 
 
 def _unique_labels(runs: list[Run]) -> None:
-    seen: dict[str, int] = {}
-    for run in runs:
-        seen[run.label] = seen.get(run.label, 0) + 1
+    seen = Counter(run.label for run in runs)
     for run in runs:
         if seen[run.label] > 1:
             run.label = f"{run.label} ({run.path})"
@@ -182,10 +179,6 @@ def differing_keys(runs: list[Run]) -> dict[str, dict[str, Any]]:
 
 def _train_rows(run: Run) -> list[dict[str, Any]]:
     return [row for row in run.metrics if _number(row.get("loss")) is not None]
-
-
-def _val_rows(run: Run) -> list[dict[str, Any]]:
-    return [row for row in run.metrics if any(_VAL_KEY.match(str(key)) for key in row)]
 
 
 def _val_by_step(values: dict[str, Any]) -> dict[int, dict[str, float]]:
@@ -230,7 +223,7 @@ def run_numbers(run: Run) -> dict[str, Any]:
     if val:
         val_source = "summary.json"
     else:
-        rows = _val_rows(run)
+        rows = [row for row in run.metrics if any(_VAL_KEY.match(str(key)) for key in row)]
         if rows:
             val = _val_by_step(rows[-1])
             val_source = f"metrics.jsonl step {rows[-1]['step']}"
@@ -393,27 +386,6 @@ def _plain(value: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _label_axes(axis, xlabel: str, ylabel: str, title: str, ylim: tuple[float, float] | None = None,
-                legend: bool = True) -> None:
-    axis.set_xlabel(xlabel)
-    axis.set_ylabel(ylabel)
-    if ylim is not None:
-        axis.set_ylim(*ylim)
-    axis.set_title(title)
-    axis.grid(alpha=0.3)
-    if legend:
-        axis.legend(fontsize=8)
-
-
-def _save_figure(fig, path: Path, paths: list[Path]) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
-
-
 def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -> tuple[list[Path], list[str]]:
     """Returns (PNG paths written, notes about plots skipped)."""
     import matplotlib
@@ -438,11 +410,11 @@ def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -
             if val:
                 any_val = True
                 ax_val.plot(*zip(*val), marker="o", label=run.label)
-        _label_axes(ax_loss, "optimizer step", "train loss", "Train loss")
-        _label_axes(ax_val, "optimizer step", "top-1 vs target argmax", "Held-out step-1 top-1", legend=any_val)
+        label_axes(ax_loss, "optimizer step", "train loss", "Train loss")
+        label_axes(ax_val, "optimizer step", "top-1 vs target argmax", "Held-out step-1 top-1", legend=any_val)
         if not any_val:
             ax_val.text(0.5, 0.5, "no validation rows", ha="center", va="center", transform=ax_val.transAxes)
-        _save_figure(fig, out_dir / "loss_curves.png", paths)
+        paths.append(save_figure(fig, out_dir / "loss_curves.png", dpi=110))
     else:
         skipped.append("loss_curves.png: no run has train rows in metrics.jsonl")
 
@@ -454,8 +426,8 @@ def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -
             ks = [k for k in val if "top1" in val[k]]
             ax.plot(ks, [val[k]["top1"] for k in ks], marker="o", label=run.label)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        _label_axes(ax, "unroll step k", "held-out top-1", "Held-out accuracy by unroll step", ylim=(0, 1))
-        _save_figure(fig, out_dir / "val_top1_by_step.png", paths)
+        label_axes(ax, "unroll step k", "held-out top-1", "Held-out accuracy by unroll step", ylim=(0, 1))
+        paths.append(save_figure(fig, out_dir / "val_top1_by_step.png", dpi=110))
     else:
         skipped.append("val_top1_by_step.png: no run has held-out validation numbers")
 
@@ -479,10 +451,10 @@ def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -
         for axis in (ax_acc, ax_tau):
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax_acc.set_xlim(0.5, longest + 0.5)
-        _label_axes(ax_acc, "draft position", "acceptance rate (unconditional)", "Acceptance by position (largest k)",
-                    ylim=(0, 1))
-        _label_axes(ax_tau, "speculative tokens k", "τ (tokens per target forward)", "τ by k")
-        _save_figure(fig, out_dir / "acceptance_by_position.png", paths)
+        label_axes(ax_acc, "draft position", "acceptance rate (unconditional)", "Acceptance by position (largest k)",
+                   ylim=(0, 1))
+        label_axes(ax_tau, "speculative tokens k", "τ (tokens per target forward)", "τ by k")
+        paths.append(save_figure(fig, out_dir / "acceptance_by_position.png", dpi=110))
     else:
         skipped.append("acceptance_by_position.png: no run has an eval/report.json (run `mtp-train eval`)")
     return paths, skipped
@@ -495,8 +467,6 @@ def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -
 
 def compare_runs(run_dirs: list[str | Path], out_dir: str | Path = DEFAULT_OUT, echo: bool = True) -> dict[str, Any]:
     """Compare the runs, write compare.md / compare.json / PNGs into `out_dir`, return the compare.json content."""
-    from mtp_train.fileio import atomic_write_text
-
     if not run_dirs:
         raise UserError("compare: expected at least one run directory")
     runs = [load_run(path) for path in run_dirs]
@@ -520,7 +490,7 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path = DEFAULT_OUT, 
         "plots_skipped": skipped,
     }
     result = _plain(result)
-    atomic_write_text(out / "compare.json", json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    write_json_atomic(out / "compare.json", result)
     atomic_write_text(out / "compare.md", format_markdown(runs, header, rows, diffs, plots, out))
     if echo:
         print(format_text_table(header, rows))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mtp_train.evaluate.runner import MethodTotals
+if TYPE_CHECKING:  # runner imports the runtime (torch); `compare` imports this module for its plot helpers
+    from mtp_train.evaluate.runner import MethodTotals
 
 
 def build_report(totals: dict[str, dict[str, MethodTotals]], meta: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +88,28 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def label_axes(axis, xlabel: str, ylabel: str, title: str, ylim: tuple[float, float] | None = None,
+               legend: bool = True) -> None:
+    """Labels, title, a light grid and (unless `legend` is False) a small legend: the look every plot here shares."""
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    if ylim is not None:
+        axis.set_ylim(*ylim)
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    if legend:
+        axis.legend(fontsize=8)
+
+
+def save_figure(fig, path: Path, dpi: int) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -100,16 +123,10 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         for method, r in speculative.items():
             rates = r["acceptance_per_position"]
             ax.plot(range(1, len(rates) + 1), rates, marker="o", label=method)
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("acceptance rate (unconditional)")
-        ax.set_ylim(0, 1)
-        ax.set_title("Acceptance by position")
-        ax.grid(alpha=0.3)
+        label_axes(ax, "draft position", "acceptance rate (unconditional)", "Acceptance by position", ylim=(0, 1),
+                   legend=False)
         ax.legend()
-        fig.tight_layout()
-        paths.append(out_dir / "acceptance_by_position.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir / "acceptance_by_position.png", dpi=120))
     categories = list(report["per_category"]) or ["all"]
     methods = list(report["overall"])
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) + 2), 4))
@@ -126,8 +143,5 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_ylabel("τ (tokens per target forward)")
     ax.set_title("τ by category")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "tau_by_category.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir / "tau_by_category.png", dpi=120))
     return paths

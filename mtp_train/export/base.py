@@ -18,34 +18,23 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.export.common import (
-    BLOCK_KEY,
-    CONFIG_FILENAME,
-    DRAFT_VOCAB_TENSORS,
-    WEIGHTS_FILENAME,
-    LayerShape,
-    Target,
-    declared_draft_vocab,
-    draft_vocab_size_of,
-    native_tensors,
+    BLOCK_KEY, CONFIG_FILENAME, DRAFT_VOCAB_TENSORS, WEIGHTS_FILENAME, LayerShape, Target, declared_draft_vocab,
+    draft_vocab_size_of, native_tensors,
 )
 from mtp_train.heads.config import HeadConfig
 from mtp_train.heads.io import target_mismatches
 
-_MISSING = object()
-
-
-def get_path(data: dict[str, Any], dotted: str) -> Any:
-    """`data["a"]["b"]` for "a.b"; `_MISSING` when any step is absent."""
-    node: Any = data
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
 def missing_fields(config: dict[str, Any], fields: tuple[str, ...]) -> list[str]:
-    return [name for name in fields if get_path(config, name) is _MISSING]
+    """The dotted paths in `fields` ("a.b": `config["a"]["b"]`) that `config` lacks."""
+    missing = []
+    for name in fields:
+        node: Any = config
+        for part in name.split("."):
+            if not isinstance(node, dict) or part not in node:
+                missing.append(name)
+                break
+            node = node[part]
+    return missing
 
 
 @dataclass

@@ -54,11 +54,7 @@ import re
 
 from mtp_train.export.base import ExportFormat
 from mtp_train.export.common import (
-    BLOCK_KEY,
-    CONFIG_FILENAME,
-    ENGINE_CONFIG_FIELDS,
-    layer_shape_from_config,
-    mtp_train_block,
+    BLOCK_KEY, CONFIG_FILENAME, ENGINE_CONFIG_FIELDS, layer_shape_from_config, mtp_train_block,
 )
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.weight$")
@@ -99,14 +95,10 @@ class DeepSeekMTPFormat(ExportFormat):
         config = target.engine_config(dtype)
         config["num_nextn_predict_layers"] = 1
         config[BLOCK_KEY] = mtp_train_block(
-            self.name,
-            head_config,
-            mtp_layer_ids=[L],
+            self.name, head_config, mtp_layer_ids=[L],
             frozen_tensors_in_file=[name.format(L=L) for name in self.frozen.values()],
-            engine_support=(
-                "layout of DeepSeek-V3's MTP module with this target's decoder block; vLLM DeepSeekMTP and SGLang "
-                "DeepseekV3ForCausalLMNextN build an MLA/MoE block and cannot load it; mtp_train load_any_head can"
-            ),
+            engine_support="layout of DeepSeek-V3's MTP module with this target's decoder block; vLLM DeepSeekMTP and "
+            "SGLang DeepseekV3ForCausalLMNextN build an MLA/MoE block and cannot load it; mtp_train load_any_head can",
         )
         return config
 

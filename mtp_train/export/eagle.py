@@ -55,19 +55,9 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.export.base import ExportFormat
 from mtp_train.export.common import (
-    BLOCK_KEY,
-    CONFIG_FILENAME,
-    ENGINE_CONFIG_FIELDS,
-    draft_vocab_size_of,
-    layer_shape_from_config,
-    mtp_train_block,
+    BLOCK_KEY, CONFIG_FILENAME, ENGINE_CONFIG_FIELDS, draft_vocab_size_of, layer_shape_from_config, mtp_train_block,
 )
-from mtp_train.heads.vocab import (
-    check_draft_ids,
-    d2t_from_ids,
-    ids_from_d2t,
-    t2d_from_ids,
-)
+from mtp_train.heads.vocab import check_draft_ids, d2t_from_ids, ids_from_d2t, t2d_from_ids
 
 EAGLE_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "mistral": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
 TOKEN_MAP_FILENAME = "speculative_token_map.pt"  # SGLang --speculative-token-map
@@ -132,11 +122,8 @@ class EagleFormat(ExportFormat):
                 "fc has no bias and it has no EAGLE-1 draft vocabulary)"
             )
         config[BLOCK_KEY] = mtp_train_block(
-            self.name,
-            head_config,
-            target_num_hidden_layers=target.config.num_hidden_layers,
-            engine_support=engine_support,
-            **extra,
+            self.name, head_config, target_num_hidden_layers=target.config.num_hidden_layers,
+            engine_support=engine_support, **extra,
         )
         return config
 

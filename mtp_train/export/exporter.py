@@ -8,12 +8,7 @@ from pathlib import Path
 
 from mtp_train.errors import UserError
 from mtp_train.export.common import (
-    CONFIG_FILENAME,
-    WEIGHTS_FILENAME,
-    Target,
-    check_out_dir,
-    parse_dtype,
-    write_directory,
+    CONFIG_FILENAME, WEIGHTS_FILENAME, Target, check_out_dir, parse_dtype, write_directory,
 )
 from mtp_train.export.registry import get_format
 from mtp_train.fileio import json_bytes
@@ -22,16 +17,9 @@ from mtp_train.heads.io import read_head, safetensors_bytes
 log = logging.getLogger(__name__)
 
 
-def export_head(
-    head_dir: str | os.PathLike[str],
-    format_name: str,
-    out: str | os.PathLike[str],
-    target_dir: str | os.PathLike[str] | None,
-    dtype: str | None = None,
-    overwrite: bool = False,
-    num_speculative_tokens: int = 3,
-    verifier_name: str | None = None,
-) -> Path:
+def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | os.PathLike[str],
+                target_dir: str | os.PathLike[str] | None, dtype: str | None = None, overwrite: bool = False,
+                num_speculative_tokens: int = 3, verifier_name: str | None = None) -> Path:
     """Write the head saved at `head_dir` (by `heads.save_head`) as `format_name` into `out`.
 
     `target_dir`: the target the head was trained for. Every format needs it: it is checked against the head (hidden
@@ -64,13 +52,8 @@ def export_head(
             raise UserError(f"{head_dir / WEIGHTS_FILENAME}: mixed dtypes {sorted(map(str, stored))}; pass --dtype")
         torch_dtype = stored.pop()
 
-    tensors, files = fmt.build(
-        state,
-        head_config,
-        target,
-        torch_dtype,
-        {"num_speculative_tokens": num_speculative_tokens, "verifier_name": verifier_name},
-    )
+    options = {"num_speculative_tokens": num_speculative_tokens, "verifier_name": verifier_name}
+    tensors, files = fmt.build(state, head_config, target, torch_dtype, options)
     expected = fmt.expected_tensors(files[CONFIG_FILENAME], out)
     got = {name: tuple(t.shape) for name, t in tensors.items()}
     assert got == expected, f"format {fmt.name} wrote {sorted(got.items())}, its checks expect {sorted(expected.items())}"

@@ -3,6 +3,7 @@ format's required names/shapes/fields (derived from the config alone) and, optio
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -10,12 +11,7 @@ from typing import Any
 from mtp_train.errors import UserError
 from mtp_train.export.base import Report, missing_fields
 from mtp_train.export.common import (
-    BLOCK_KEY,
-    CONFIG_FILENAME,
-    DRAFT_VOCAB_TENSORS,
-    WEIGHTS_FILENAME,
-    Target,
-    read_safetensors_header,
+    BLOCK_KEY, CONFIG_FILENAME, DRAFT_VOCAB_TENSORS, WEIGHTS_FILENAME, Target, read_safetensors_header,
 )
 from mtp_train.export.registry import FORMATS
 from mtp_train.fileio import read_json_object
@@ -119,25 +115,17 @@ def format_report(report: Report) -> str:
     lines.append("  " + fmt_row.format(*headers))
     lines.append("  " + "  ".join("-" * w for w in widths))
     lines += ["  " + fmt_row.format(*row) for row in rows]
-    total = sum(_numel(shape) for shape, _ in report.tensors.values())
+    total = sum(math.prod(shape) for shape, _ in report.tensors.values())
     lines.append(f"  {len(report.tensors)} tensors, {total:,} parameters")
     draft_vocab_size = report.config.get("draft_vocab_size")
     if draft_vocab_size is not None:
         block = report.config.get(BLOCK_KEY) if isinstance(report.config.get(BLOCK_KEY), dict) else {}
         where = f"token map {block['speculative_token_map']}" if block.get("speculative_token_map") else "d2t/t2d"
-        lines.append(
-            f"  draft vocabulary: {draft_vocab_size} of {report.config.get('vocab_size')} target tokens ({where})"
-        )
+        lines.append(f"  draft vocabulary: {draft_vocab_size} of {report.config.get('vocab_size')} target tokens "
+                     f"({where})")
     if report.problems:
         lines.append(f"{len(report.problems)} problem(s):")
         lines += [f"  - {p}" for p in report.problems]
     else:
         lines.append("ok: names, shapes, dtypes and config fields match the format")
     return "\n".join(lines)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

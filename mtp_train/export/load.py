@@ -14,21 +14,11 @@ from pathlib import Path
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.export.common import (
-    CONFIG_FILENAME,
-    HEAD_CONFIG_FILENAME,
-    WEIGHTS_FILENAME,
-)
+from mtp_train.export.common import CONFIG_FILENAME, HEAD_CONFIG_FILENAME, WEIGHTS_FILENAME
 from mtp_train.export.inspection import inspect_dir
 from mtp_train.export.registry import FORMATS
 from mtp_train.heads.draft_head import DraftHead
-from mtp_train.heads.io import (
-    build_head,
-    check_head_state,
-    check_target,
-    load_head,
-    read_safetensors,
-)
+from mtp_train.heads.io import build_head, check_head_state, check_target, load_head, read_safetensors
 from mtp_train.runtime.model import CausalLM
 
 
@@ -44,9 +34,7 @@ def _same_values(stored: torch.Tensor, own: torch.Tensor) -> bool:
     return torch.allclose(stored.float(), own.float(), rtol=1e-2, atol=1e-2)  # bfloat16 vs float16
 
 
-def load_any_head(
-    directory: str | os.PathLike[str], target: CausalLM, dtype: torch.dtype | None = None
-) -> DraftHead:
+def load_any_head(directory: str | os.PathLike[str], target: CausalLM, dtype: torch.dtype | None = None) -> DraftHead:
     """Load the head at `directory` (a trainer's `head/` or any exported format) over `target`, on its device, in `dtype`
     (default: for an export the dtype stored in the file, so a round trip reproduces the original head bit for bit;
     for a `head/` directory the target's, as `load_head`; d2t/t2d of a reduced draft vocabulary keep int64/bool)."""

@@ -25,18 +25,8 @@ from typing import Any
 from mtp_train.errors import UserError
 from mtp_train.export.base import ExportFormat
 from mtp_train.export.common import (
-    BLOCK_KEY,
-    CONFIG_FILENAME,
-    DTYPE_NAMES,
-    FEEDBACK,
-    FORMAT_VERSION,
-    HEAD_CONFIG_FILENAME,
-    HIDDEN_STATE_INPUT,
-    WEIGHTS_FILENAME,
-    LayerShape,
-    draft_vocab_tensor_problems,
-    mtp_train_block,
-    read_safetensors_header,
+    BLOCK_KEY, CONFIG_FILENAME, DTYPE_NAMES, FEEDBACK, FORMAT_VERSION, HEAD_CONFIG_FILENAME, HIDDEN_STATE_INPUT,
+    WEIGHTS_FILENAME, LayerShape, draft_vocab_tensor_problems, mtp_train_block, read_safetensors_header,
 )
 from mtp_train.heads.config import HeadConfig
 from mtp_train.heads.io import read_head_config
@@ -119,13 +109,9 @@ class NativeFormat(ExportFormat):
             return [str(err)]
         problems = []
         source = directory / CONFIG_FILENAME
-        for key, value in (
-            ("head_kind", head_config.kind),
-            ("num_layers", head_config.num_layers),
-            ("hidden_size", head_config.hidden_size),
-            ("vocab_size", head_config.vocab_size),
-            ("model_type", head_config.model_type),
-        ):
+        for key, value in (("head_kind", head_config.kind), ("num_layers", head_config.num_layers),
+                           ("hidden_size", head_config.hidden_size), ("vocab_size", head_config.vocab_size),
+                           ("model_type", head_config.model_type)):
             if config.get(key) != value:
                 problems.append(f"{source}: {key}={config.get(key)!r} but {HEAD_CONFIG_FILENAME} says {value!r}")
         layer = config.get("layer") or {}

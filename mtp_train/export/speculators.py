@@ -51,13 +51,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.export.base import ExportFormat
-from mtp_train.export.common import (
-    BLOCK_KEY,
-    CONFIG_FILENAME,
-    DTYPE_NAMES,
-    layer_shape_from_config,
-    mtp_train_block,
-)
+from mtp_train.export.common import BLOCK_KEY, CONFIG_FILENAME, DTYPE_NAMES, layer_shape_from_config, mtp_train_block
 
 SPECULATORS_VERSION = "0.1.0"
 LLAMA_BLOCK_TYPES = {"llama": "LlamaDecoderLayer", "mistral": "LlamaDecoderLayer"}
@@ -88,26 +82,13 @@ class SpeculatorsFormat(ExportFormat):
         "use --format eagle or native"
     )
     required_fields = (
-        "architectures",
-        "speculators_model_type",
-        "speculators_version",
-        "speculators_config.algorithm",
-        "speculators_config.proposal_methods",
-        "speculators_config.default_proposal_method",
-        "speculators_config.verifier.name_or_path",
-        "speculators_config.verifier.architectures",
+        "architectures", "speculators_model_type", "speculators_version", "speculators_config.algorithm",
+        "speculators_config.proposal_methods", "speculators_config.default_proposal_method",
+        "speculators_config.verifier.name_or_path", "speculators_config.verifier.architectures",
         "transformer_layer_architecture",
-        *(
-            f"{_LAYER}.{key}"
-            for key in (
-                "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "vocab_size", "rms_norm_eps",
-            )
-        ),
-        "layernorms",
-        "fusion_bias",
-        f"{BLOCK_KEY}.head_config",
-        f"{BLOCK_KEY}.hidden_state_input",
+        *(f"{_LAYER}.{key}" for key in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
+                                        "num_key_value_heads", "vocab_size", "rms_norm_eps")),
+        "layernorms", "fusion_bias", f"{BLOCK_KEY}.head_config", f"{BLOCK_KEY}.hidden_state_input",
     )
 
     def config_json(self, head_config, target, dtype, options):
@@ -132,13 +113,9 @@ class SpeculatorsFormat(ExportFormat):
             "fusion_bias": True,
             "torch_dtype": DTYPE_NAMES[dtype],
             BLOCK_KEY: mtp_train_block(
-                self.name,
-                head_config,
-                target_num_hidden_layers=target.config.num_hidden_layers,
-                engine_support=(
-                    "speculators EagleSpeculator; vLLM accepts speculators_model_type eagle only in versions that "
-                    "registered it (V0 EAGLEModel); see docs/export.md"
-                ),
+                self.name, head_config, target_num_hidden_layers=target.config.num_hidden_layers,
+                engine_support="speculators EagleSpeculator; vLLM accepts speculators_model_type eagle only in "
+                "versions that registered it (V0 EAGLEModel); see docs/export.md",
             ),
         }
 

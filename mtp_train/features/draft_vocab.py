@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mtp_train.features.format import load_manifest
+from mtp_train.features.format import MANIFEST_FILENAME, load_manifest
 from mtp_train.fileio import atomic_write_bytes, file_sha256
 from mtp_train.heads.vocab import coverage, select_draft_vocab
 
@@ -28,14 +28,6 @@ COUNTS_DIRNAME = "draft_vocab"
 
 def counts_path(features_dir: str | Path, source: str) -> Path:
     return Path(features_dir) / COUNTS_DIRNAME / f"{source}-counts.safetensors"
-
-
-def _manifest_digest(features_dir: Path) -> str:
-    return file_sha256(features_dir / "manifest.json")
-
-
-def _stores_argmax(features_dir: Path) -> bool:
-    return bool(load_manifest(features_dir).get("target_argmax"))
 
 
 def count_next_tokens(
@@ -54,7 +46,7 @@ def count_next_tokens(
 
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-    if source == "target" and lm_head_weight is None and not _stores_argmax(Path(features_dir)):
+    if source == "target" and lm_head_weight is None and not load_manifest(Path(features_dir)).get("target_argmax"):
         raise ValueError("source='target' needs the target's lm_head weight (the cache stores no target_argmax)")
     dtype = lm_head_weight.dtype if lm_head_weight is not None else torch.float32
     reader = FeatureReader(features_dir, "train", micro_batch_tokens=1, dtype=dtype, verify_hashes=False)
@@ -101,7 +93,7 @@ def load_or_count(
 
     features_dir = Path(features_dir)
     path = counts_path(features_dir, source)
-    digest = _manifest_digest(features_dir)
+    digest = file_sha256(features_dir / MANIFEST_FILENAME)
     if path.is_file():
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}

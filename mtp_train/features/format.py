@@ -18,6 +18,7 @@ Layout of `<precompute.output_dir>/`:
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,6 @@ def write_shard(path: Path, samples: list[dict[str, torch.Tensor | int]], storag
     data = save(tensors, metadata={"format": "pt"})
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, data)
-    import hashlib
-
     return {
         "num_samples": len(samples),
         "num_tokens": int(offsets[-1]),

@@ -57,8 +57,8 @@ def plan_rank_shards(lengths: list[int], rank: int, world_size: int, samples_per
 
 
 def pack_batches(indices: list[int], lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
-    """Consecutive (length-sorted) samples packed while the batch stays within the token budget; a sample longer
-    than the budget runs alone."""
+    """Consecutive samples of `indices` (here length-sorted; the reader's are shuffled) packed while the batch stays
+    within the token budget; a sample longer than the budget runs alone."""
     batches: list[list[int]] = []
     current: list[int] = []
     tokens = 0

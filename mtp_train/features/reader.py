@@ -16,6 +16,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.features.format import decode_hidden, load_manifest
+from mtp_train.features.precompute import pack_batches
 from mtp_train.fileio import file_sha256
 
 
@@ -109,16 +110,7 @@ class FeatureReader:
         """This rank's batches (lists of sample positions) for `epoch`."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         order = torch.randperm(len(self.samples), generator=generator).tolist()
-        batches, current, tokens = [], [], 0
-        for i in order:
-            length = self.samples[i][2]
-            if current and tokens + length > self.micro_batch_tokens:
-                batches.append(current)
-                current, tokens = [], 0
-            current.append(i)
-            tokens += length
-        if current:
-            batches.append(current)
+        batches = pack_batches(order, [length for _, _, length in self.samples], self.micro_batch_tokens)
         per_rank = len(batches) // self.world_size
         if per_rank == 0:
             raise UserError(

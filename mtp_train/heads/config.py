@@ -52,13 +52,8 @@ class HeadConfig:
     @staticmethod
     def for_target(config: ModelConfig, target_fingerprint: str | None = None, **options: Any) -> "HeadConfig":
         """A head config for the target `config`; `options` are kind, num_layers, init, ..."""
-        return HeadConfig(
-            hidden_size=config.hidden_size,
-            vocab_size=config.vocab_size,
-            model_type=config.model_type,
-            target_fingerprint=target_fingerprint,
-            **options,
-        )
+        return HeadConfig(hidden_size=config.hidden_size, vocab_size=config.vocab_size, model_type=config.model_type,
+                          target_fingerprint=target_fingerprint, **options)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -81,9 +76,7 @@ class HeadConfig:
             raise UserError(f"{source}: missing key(s) {', '.join(missing)}")
         try:
             return HeadConfig(**data)
-        except UserError as err:
-            raise UserError(f"{source}: {err}") from None
-        except TypeError as err:
+        except (UserError, TypeError) as err:
             raise UserError(f"{source}: {err}") from None
 
     def to_json(self) -> str:
@@ -96,7 +89,6 @@ class HeadConfig:
         except json.JSONDecodeError as err:
             raise UserError(f"{source}: invalid JSON ({err})") from None
         return HeadConfig.from_dict(data, source)
-
 
 
 # The defaults of the options a recipe's `head` section sets (recipe.HeadSection reads them from here).

@@ -164,22 +164,13 @@ def build_head(
     tensors in `dtype` (None: as stored; d2t/t2d keep int64/bool)."""
     with torch.device("meta"):
         head = DraftHead(target.config, head_config, target.model.embed_tokens, target.lm_head, target.backend)
-    head.load_state_dict(
-        {
-            k: v.to(device=target.device, dtype=(dtype or v.dtype) if v.is_floating_point() else v.dtype)
-            for k, v in state.items()
-        },
-        assign=True,
-    )
+    head.load_state_dict({k: v.to(device=target.device, dtype=(dtype or v.dtype) if v.is_floating_point() else v.dtype)
+                          for k, v in state.items()}, assign=True)
     return head
 
 
-def load_head(
-    directory: str | os.PathLike[str],
-    target: CausalLM,
-    dtype: torch.dtype | None = None,
-    target_fingerprint: str | None = None,
-) -> DraftHead:
+def load_head(directory: str | os.PathLike[str], target: CausalLM, dtype: torch.dtype | None = None,
+              target_fingerprint: str | None = None) -> DraftHead:
     """Load a head saved by `save_head` over `target` (on its device; `dtype` default: the target's). The head's
     hidden_size/vocab_size/model_type must match the target's, and its target fingerprint must equal
     `target_fingerprint` (default: `target.fingerprint`) when both are known. Errors are UserErrors naming the file and

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -27,7 +27,6 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     new_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:

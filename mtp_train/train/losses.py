@@ -296,13 +296,6 @@ def _step_rows(lengths: list[int], loss_mask: torch.Tensor, k: int) -> _StepRows
     return _StepRows(step_lengths, local, read, counted)
 
 
-def _step_batch(step_lengths: list[int], positions: torch.Tensor, device: torch.device) -> BatchInfo:
-    """Packed no-cache batch over the sequences that still have rows, with the given rotary positions."""
-    batch = BatchInfo.without_cache([m for m in step_lengths if m > 0], device)
-    batch.positions = positions
-    return batch
-
-
 def unrolled_losses(
     head: torch.nn.Module,
     token_ids: torch.Tensor,  # [T] packed sequences
@@ -345,8 +338,9 @@ def unrolled_losses(
             hidden = target_hidden[rows.read - k]  # [R, d] H_i
         else:  # row i of each sequence at step k-1 is also row i at step k (the last row drops out)
             hidden = previous_out[_row_starts(previous_lengths, rows.lengths, device) + rows.local]  # [R, d]
-        positions = rows.local + (k - 1)
-        batch = _step_batch(rows.lengths, positions, device)
+        # A packed no-cache batch over the sequences that still have rows, at the rows' rotary positions.
+        batch = BatchInfo.without_cache([m for m in rows.lengths if m > 0], device)
+        batch.positions = rows.local + (k - 1)
         out = head(token_ids[rows.read], hidden, batch)  # [R, d]
         losses = step_losses(
             out, target_hidden[rows.read], rows.counted, head.lm_head_weight, chunk_size, feature_beta,

@@ -72,34 +72,27 @@ def deepspeed_config(recipe, world_size: int, use_bf16: bool) -> dict[str, Any]:
         if not path.is_file():
             raise UserError(f"train.deepspeed_config: {path} not found")
         config = read_json_object(path, "train.deepspeed_config")
-    zero = config.setdefault("zero_optimization", {})
-    if "stage" in zero and zero["stage"] != train.zero_stage:
-        raise UserError(
-            f"{train.deepspeed_config}: zero_optimization.stage={zero['stage']} but the recipe's train.zero_stage="
-            f"{train.zero_stage}; make them agree"
-        )
-    zero["stage"] = train.zero_stage
-    # One micro-batch = one packed token-budget batch from the feature reader.
-    for key, ours in (("train_micro_batch_size_per_gpu", 1), ("gradient_accumulation_steps", train.grad_accum)):
-        if key in config and config[key] != ours:
-            raise UserError(
-                f"{train.deepspeed_config}: {key}={config[key]} conflicts with the recipe ({ours}); micro-batches are "
-                "token-budget batches (train.micro_batch_tokens), accumulation is train.grad_accum"
-            )
-        config[key] = ours
+    source = train.deepspeed_config
     expected_global = train.grad_accum * world_size
-    if "train_batch_size" in config and config["train_batch_size"] != expected_global:
-        raise UserError(
-            f"{train.deepspeed_config}: train_batch_size={config['train_batch_size']} does not equal "
-            f"micro-batches (1) × train.grad_accum ({train.grad_accum}) × world size ({world_size}) = {expected_global}"
-        )
-    config["train_batch_size"] = expected_global
-    if "gradient_clipping" in config and config["gradient_clipping"] != train.clip:
-        raise UserError(
-            f"{train.deepspeed_config}: gradient_clipping={config['gradient_clipping']} conflicts with the recipe's "
-            f"train.clip={train.clip}; set it in one place"
-        )
-    config["gradient_clipping"] = train.clip
+    # One micro-batch = one packed token-budget batch from the feature reader.
+    token_batches = ("micro-batches are token-budget batches (train.micro_batch_tokens), accumulation is "
+                     "train.grad_accum")
+    owned = (  # (section, key, the key as shown, the recipe's value, why a different value is refused)
+        (config.setdefault("zero_optimization", {}), "stage", "zero_optimization.stage", train.zero_stage,
+         f"but the recipe's train.zero_stage={train.zero_stage}; make them agree"),
+        (config, "train_micro_batch_size_per_gpu", None, 1, f"conflicts with the recipe (1); {token_batches}"),
+        (config, "gradient_accumulation_steps", None, train.grad_accum,
+         f"conflicts with the recipe ({train.grad_accum}); {token_batches}"),
+        (config, "train_batch_size", None, expected_global,
+         f"does not equal micro-batches (1) × train.grad_accum ({train.grad_accum}) × world size ({world_size}) = "
+         f"{expected_global}"),
+        (config, "gradient_clipping", None, train.clip,
+         f"conflicts with the recipe's train.clip={train.clip}; set it in one place"),
+    )
+    for section, key, shown, ours, why in owned:
+        if key in section and section[key] != ours:
+            raise UserError(f"{source}: {shown or key}={section[key]} {why}")
+        section[key] = ours
     config["bf16"] = {**config.get("bf16", {}), "enabled": use_bf16}
     config.setdefault("steps_per_print", 10**9)
     config.setdefault("wall_clock_breakdown", False)

@@ -154,6 +154,7 @@ class Proposer:
         tokens: list[list[int]] = [[] for _ in range(batch_size)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]  # [vocab] rows
         rows = [b for b in range(batch_size) if num_drafts[b] > 0]  # requests drafting at this position
+        drafted = torch.empty(0, dtype=torch.long)  # [m] the last drafted ids, fed back in the next draft step
         if rows:
             logits = torch.stack([requests[b].draft.next_logits for b in rows])  # [m, vocab]
             carried = self.initial_carry([requests[b] for b in rows])
