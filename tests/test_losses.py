@@ -246,6 +246,7 @@ def test_metric_sums_combine_batches_with_one_meaning_per_name():
         means["step1/top1"] = torch.tensor(top1_sum / rows)
         means["step1/coverage"] = torch.tensor(inside / rows)
         means["step1/rows"] = rows
+        means["step1/inside"] = inside
         return means
 
     total = add_sums({}, metric_sums(batch(rows=10, inside=5, kl_sum=10.0, top1_sum=4.0)))
@@ -255,5 +256,6 @@ def test_metric_sums_combine_batches_with_one_meaning_per_name():
     assert means["step1/kl"] == pytest.approx(40.0 / 35)  # Σ KL / Σ inside rows, not a row-weighted mean of means
     assert means["step1/top1"] == pytest.approx(10.0 / 40)
     assert means["step1/coverage"] == pytest.approx(35 / 40)
-    empty = metric_means(metric_sums({**{f"step2/{n}": torch.tensor(0.0) for n in STEP_METRICS}, "step2/rows": 0}))
+    empty = metric_means(metric_sums({**{f"step2/{n}": torch.tensor(0.0) for n in STEP_METRICS}, "step2/rows": 0,
+                                     "step2/inside": 0}))
     assert empty["step2/rows"] == 0 and math.isnan(empty["step2/kl"])

@@ -112,3 +112,20 @@ def load_manifest(root: Path) -> dict[str, Any]:
 def shard_sha256_ok(root: Path, record: dict[str, Any]) -> bool:
     path = root / record["name"]
     return path.is_file() and path.stat().st_size == record["nbytes"] and file_sha256(path) == record["sha256"]
+
+
+def pack_batches(indices: list[int], lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
+    """Consecutive samples of `indices` (precompute's are length-sorted, the training reader's shuffled) packed while the batch stays
+    within the token budget; a sample longer than the budget runs alone."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for i in indices:
+        if current and tokens + lengths[i] > tokens_per_batch:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += lengths[i]
+    if current:
+        batches.append(current)
+    return batches

@@ -25,6 +25,7 @@ from mtp_train.features.format import (
     FORMAT_VERSION,
     MANIFEST_FILENAME,
     load_manifest,
+    pack_batches,
     progress_path,
     shard_name,
     shard_sha256_ok,
@@ -54,23 +55,6 @@ def plan_rank_shards(lengths: list[int], rank: int, world_size: int, samples_per
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     mine = order[rank::world_size]
     return [mine[k : k + samples_per_shard] for k in range(0, len(mine), samples_per_shard)]
-
-
-def pack_batches(indices: list[int], lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
-    """Consecutive samples of `indices` (here length-sorted; the reader's are shuffled) packed while the batch stays
-    within the token budget; a sample longer than the budget runs alone."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    tokens = 0
-    for i in indices:
-        if current and tokens + lengths[i] > tokens_per_batch:
-            batches.append(current)
-            current, tokens = [], 0
-        current.append(i)
-        tokens += lengths[i]
-    if current:
-        batches.append(current)
-    return batches
 
 
 def _split_lengths(dataset) -> list[int]:

@@ -15,8 +15,7 @@ from pathlib import Path
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.features.format import decode_hidden, load_manifest
-from mtp_train.features.precompute import pack_batches
+from mtp_train.features.format import decode_hidden, load_manifest, pack_batches
 from mtp_train.fileio import file_sha256
 
 

@@ -191,11 +191,13 @@ class StepLosses:
     alpha: torch.Tensor  # [] detached
     coverage: torch.Tensor  # [] detached: share of counted rows whose target argmax is in the draft vocabulary
     rows: int  # counted rows
+    inside: torch.Tensor  # [] detached: counted rows whose target argmax is in the draft vocabulary (the KL's)
 
     def metrics(self, k: int) -> dict[str, torch.Tensor | int]:
         """`step{k}/<name>` for every STEP_METRICS name (detached) and `step{k}/rows`."""
         out: dict[str, torch.Tensor | int] = {f"step{k}/{name}": getattr(self, name).detach() for name in STEP_METRICS}
         out[f"step{k}/rows"] = self.rows
+        out[f"step{k}/inside"] = self.inside
         return out
 
 
@@ -207,7 +209,7 @@ def metric_sums(metrics: dict[str, Any]) -> dict[str, float]:
     steps = sorted({key.split("/")[0] for key in metrics if key.startswith("step") and key.endswith("/rows")})
     for step in steps:
         rows = int(metrics[f"{step}/rows"])
-        inside = float(round(float(metrics[f"{step}/coverage"]) * rows))
+        inside = float(metrics[f"{step}/inside"])
         sums[f"{step}/rows"] = float(rows)
         sums[f"{step}/inside"] = inside
         for name in STEP_METRICS:
@@ -250,7 +252,8 @@ def step_losses(
     rows = int(counted.numel())
     if rows == 0:  # keep the graph connected so backward still runs
         zero = draft_hidden.sum().float() * 0.0
-        return StepLosses(zero, zero, zero.detach(), zero.detach(), zero.detach(), zero.detach(), 0)
+        return StepLosses(zero, zero, zero.detach(), zero.detach(), zero.detach(), zero.detach(), 0,
+                          zero.detach())
     draft, target = draft_hidden[counted], target_next_hidden[counted]  # [N, d]
     sums = distill_sums(draft, target, lm_head_weight, chunk_size, draft_ids,
                         None if target_top is None else target_top[counted])
@@ -262,6 +265,7 @@ def step_losses(
         alpha=sums.alpha.detach() / rows,
         coverage=sums.inside.detach() / rows,
         rows=rows,
+        inside=sums.inside.detach(),
     )
 
 
