@@ -10,8 +10,9 @@ from torch import nn
 
 from mtp_train.errors import UserError
 from mtp_train.runtime.hardware import CpuFacts
+from mtp_train.runtime.cpu_decode import DecodeLinear
+from mtp_train.runtime.kernels import cpu_kernels
 from mtp_train.runtime.precision import (
-    DecodeLinear,
     apply_decode_weights,
     decode_probe,
     decode_rows_for_bf16,
@@ -135,7 +136,11 @@ def test_decode_weights_serve_small_row_calls_only():
                                         reference["1.weight"])
     torch.testing.assert_close(big, expected_big)  # many rows: the fp32 weights, exactly
     w0, b0, w1 = (reference[k].bfloat16() for k in ("0.weight", "0.bias", "1.weight"))
-    expected_small = nn.functional.linear(nn.functional.linear(x_small.bfloat16(), w0, b0).float().bfloat16(), w1)
+    if cpu_kernels() is not None:  # bf16 weights, fp32 activations and accumulation (the kernel); fp32 bias
+        expected_small = nn.functional.linear(
+            nn.functional.linear(x_small, w0.float(), reference["0.bias"]), w1.float())
+    else:  # torch's bf16 matmul: activations cast to bf16, the result back
+        expected_small = nn.functional.linear(nn.functional.linear(x_small.bfloat16(), w0, b0).float().bfloat16(), w1)
     assert small.dtype == torch.float32
     torch.testing.assert_close(small, expected_small.float())  # few rows: the bf16 copies
 

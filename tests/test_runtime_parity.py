@@ -1,5 +1,7 @@
 """Logits parity of our runtime with transformers (fp32) on tiny random models of every supported architecture:
-prefill, token-by-token decode through the paged cache, verify batches, ragged batches vs one sequence at a time."""
+prefill, token-by-token decode through the paged cache, verify batches, ragged batches vs one sequence at a time.
+Each runs twice: through the model's own torch path, and with the CPU decode kernels serving the few-row forwards
+(`runtime/cpu_decode.py`, fp32 weights: the kernels' own error, without a bf16 copy's)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import pytest
 import torch
 
 from mtp_train.runtime.attention import BatchInfo
+from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+from mtp_train.runtime.kernels import cpu_kernels
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model
 from tests.tiny_models import save_tiny_model
@@ -42,12 +46,18 @@ def hf_logits(hf_dir, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
+@pytest.fixture(scope="module", params=[(name, path) for name in ARCHS for path in ("torch", "kernels")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def arch(request, tmp_path_factory):
-    overrides = dict(ARCHS[request.param])
+    name, path_kind = request.param
+    overrides = dict(ARCHS[name])
     model_type = overrides.pop("model_type")
-    path = save_tiny_model(tmp_path_factory.mktemp(request.param), model_type, seed=len(request.param), **overrides)
+    path = save_tiny_model(tmp_path_factory.mktemp(name), model_type, seed=len(name), **overrides)
     model = load_model(path, dtype="float32", device="cpu")
+    if path_kind == "kernels":
+        assert cpu_kernels() is not None, "the CPU decode kernels did not build (g++ and ninja are needed)"
+        apply_decode_path(model, torch.float32, KERNEL_MAX_ROWS)
+        assert all(layer.decode_kernel is not None for layer in model.model.layers)
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(2, 96, (n,), generator=gen).tolist() for n in (19, 5, 12)]
     references = [hf_logits(path, ids) for ids in sequences]

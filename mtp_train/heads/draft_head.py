@@ -39,6 +39,8 @@ class _Borrowed:
     rotary: RotaryEmbedding  # the head's own tables; kept fp32 (a module would be cast by `head.to(bfloat16)`)
     draft_weight: torch.Tensor | None = None  # lm_head rows of the draft vocabulary (cached; rebuilt when stale)
     draft_weight_key: tuple = ()
+    decode_projection: object | None = None  # the runtime's decode-dtype copy of draft_weight (few-row logits)
+    decode_projection_key: tuple = ()
 
 
 class DraftHead(nn.Module):
@@ -193,11 +195,26 @@ class DraftHead(nn.Module):
         weight = self.lm_head_weight
         if self.head_config.draft_vocab_size is None:
             return weight
-        key = (weight.data_ptr(), weight.dtype, weight.device, self.d2t.data_ptr(), self.d2t._version)
+        key = self._draft_weight_key()
         if self._borrowed.draft_weight_key != key:
             self._borrowed.draft_weight = weight.index_select(0, ids_from_d2t(self.d2t).to(weight.device))
             self._borrowed.draft_weight_key = key
         return self._borrowed.draft_weight
+
+    def _draft_weight_key(self) -> tuple:
+        weight = self.lm_head_weight
+        key = (weight.data_ptr(), weight.dtype, weight.device)
+        if self.head_config.draft_vocab_size is None:
+            return key
+        return key + (self.d2t.data_ptr(), self.d2t._version)
+
+    def set_decode_projection(self, make) -> None:
+        """Serve `logits` calls of at most `projection.max_rows` rows (outside autograd) through
+        `projection = make(draft_weight)`, the runtime's decode-dtype copy of the output projection
+        (`runtime.cpu_decode.apply_decode_path` sets it). It is bypassed once the lm_head or the draft vocabulary
+        changes."""
+        self._borrowed.decode_projection = make(self.draft_weight)
+        self._borrowed.decode_projection_key = self._draft_weight_key()
 
     # ---- forward ------------------------------------------------------------------------------------------------
 
@@ -235,5 +252,10 @@ class DraftHead(nn.Module):
     def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
         """[n, d] head output -> [n, N] fp32 logits over the draft vocabulary (N = vocab with the full one) through
         the target's frozen lm_head rows; map draft ids to target ids with `draft_ids`."""
+        projection = self._borrowed.decode_projection
+        if (projection is not None and out_hidden.shape[0] <= projection.max_rows
+                and not (torch.is_grad_enabled() and out_hidden.requires_grad)
+                and self._borrowed.decode_projection_key == self._draft_weight_key()):
+            return projection(out_hidden).float()
         weight = self.draft_weight
         return F.linear(out_hidden.to(weight.dtype), weight).float()

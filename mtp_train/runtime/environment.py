@@ -1,6 +1,7 @@
 """The facts a bug report or a speed figure needs (`mtp-train env` prints them) (as `accelerate env`, `ds_report` and
 `vllm collect-env` give them): package versions, CPU model and the flags that decide matmul speed, torch's CPU
-capability and BLAS/oneDNN build, threads, CUDA devices, what `target.dtype: auto` resolves to and why, and two ceilings
+capability and BLAS/oneDNN build, threads, CUDA devices, what `target.dtype: auto` resolves to and why, whether the CPU
+decode kernels are built, and two ceilings
 measured in about two seconds: matmul GFLOP/s in fp32 and bf16, and memory read bandwidth."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def collect_env(measure: bool = True, reprobe: bool = False) -> dict:
         measure_matmul_gflops,
         measure_read_bandwidth_gbs,
     )
+    from mtp_train.runtime.kernels import kernels_summary
     from mtp_train.runtime.precision import resolve_precision
 
     facts = cpu_facts()
@@ -49,6 +51,7 @@ def collect_env(measure: bool = True, reprobe: bool = False) -> dict:
         "cuda": [{"index": d.index, "name": d.name, "memory_gib": round(d.memory_gib, 1),
                   "capability": ".".join(map(str, d.capability)), "bf16": d.bf16} for d in devices],
         "auto": {"device": device.type, **precision.as_dict()},
+        "decode_kernels": kernels_summary() if device.type == "cpu" else "not used on CUDA",
     }
     if measure:
         env["measured"] = {
@@ -75,6 +78,7 @@ def format_env(env: dict) -> str:
         + (f" (≤ {auto['decode_max_rows']} rows)" if auto["decode_dtype"] != auto["dtype"] else "")
         + f" on {auto['device']}",
         f"  because:  {auto['reason']}",
+        f"decode kernels: {env['decode_kernels']}",
     ]
     measured = env.get("measured")
     if measured:

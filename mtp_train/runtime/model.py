@@ -120,7 +120,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block. `use_input_norm=False` drops input_layernorm (the EAGLE-1 head's first layer)."""
+    """Pre-norm block. `use_input_norm=False` drops input_layernorm (the EAGLE-1 head's first layer).
+
+    `decode_kernel`, when set from outside (`runtime/cpu_decode.py`), computes the same block for forwards of a few
+    rows over a KV cache (decode, verify, draft steps) with fused CPU kernels; this module stays the definition."""
+
+    decode_kernel = None
 
     def __init__(self, config: ModelConfig, use_input_norm: bool = True):
         super().__init__()
@@ -130,6 +135,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, batch: BatchInfo, layer_cache, backend: AttentionBackend) -> torch.Tensor:
+        kernel = self.decode_kernel
+        if kernel is not None and layer_cache is not None and x.shape[0] <= kernel.max_rows:
+            return kernel(x, cos, sin, batch, layer_cache)
         attn_in = self.input_layernorm(x) if self.input_layernorm is not None else x
         x = x + self.self_attn(attn_in, cos, sin, batch, layer_cache, backend)
         return x + self.mlp(self.post_attention_layernorm(x))

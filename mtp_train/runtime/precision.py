@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
-PROBE_FORMAT_VERSION = 1
+PROBE_FORMAT_VERSION = 2  # 2: timed through the CPU decode kernels where built
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,11 @@ class Precision:
 def time_decode_matmuls(rows_list=PROBE_ROWS, budget_s: float = 0.08) -> dict[int, dict[str, float]]:
     """{rows: {"float32": s, "bfloat16": s}}: one pass of `rows` fp32 activations through a set of 576×1536 weights
     totalling 170 MB in fp32 (larger than any last-level cache, so the weights stream from memory as in a decode step),
-    with fp32 weights, and with bf16 weights (activations cast to bf16 and the result back, as the runtime does)."""
+    with fp32 weights and with bf16 weights, each through the faster of what the decode path has: the CPU decode
+    kernel (fp32 accumulation) when it is built, and torch's `F.linear` (bf16: activations cast in, result back)."""
+    from mtp_train.runtime.kernels import cpu_kernels
+
+    ops = cpu_kernels()
     generator = torch.Generator().manual_seed(0)
     weights32 = [torch.randn(1536, 576, generator=generator) for _ in range(48)]
     weights16 = [w.to(torch.bfloat16) for w in weights32]
@@ -97,6 +101,9 @@ def time_decode_matmuls(rows_list=PROBE_ROWS, budget_s: float = 0.08) -> dict[in
         x = torch.randn(rows, 576, generator=generator)
         fp32 = best_seconds(lambda: [F.linear(x, w) for w in weights32], budget_s)
         bf16 = best_seconds(lambda: [F.linear(x.to(torch.bfloat16), w).float() for w in weights16], budget_s)
+        if ops is not None:
+            fp32 = min(fp32, best_seconds(lambda: [ops.linear(x, w, None, None) for w in weights32], budget_s))
+            bf16 = min(bf16, best_seconds(lambda: [ops.linear(x, w, None, None) for w in weights16], budget_s))
         result[rows] = {"float32": fp32, "bfloat16": bf16}
     return result
 
@@ -112,8 +119,10 @@ def _cache_path() -> Path:
 
 
 def _probe_key(facts: CpuFacts) -> str:
+    from mtp_train.runtime.kernels import cpu_kernels
+
     text = json.dumps([PROBE_FORMAT_VERSION, facts.model, sorted(facts.flags), facts.capability, torch.__version__,
-                       torch.get_num_threads()])
+                       torch.get_num_threads(), cpu_kernels() is not None])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -225,43 +234,13 @@ def _with_decode(dtype: str, decode_dtype: str, reason: str) -> Precision:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class _DecodeWeights:
-    """A forward pre-hook and hook pair for one `nn.Linear`: inputs with ≤ max_rows rows are multiplied by a copy of the
-    weight in `dtype` (activations cast in, the result cast back); bigger inputs use the module's own weight."""
-
-    def __init__(self, module: nn.Linear, dtype: torch.dtype, max_rows: int):
-        self.weight = module.weight.detach().to(dtype)
-        self.bias = None if module.bias is None else module.bias.detach().to(dtype)
-        self.max_rows = max_rows
-
-    def forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows > self.max_rows or torch.is_grad_enabled() and x.requires_grad:
-            return F.linear(x, module.weight, module.bias)
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
-
-
-class DecodeLinear(nn.Linear):
-    """`nn.Linear` whose small-row calls read `decode_weights` (set by `apply_decode_weights`)."""
-
-    decode_weights: _DecodeWeights
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decode_weights.forward(self, x)
-
-
 def apply_decode_weights(model: nn.Module, precision: Precision) -> nn.Module:
-    """Give every `nn.Linear` of `model` (a frozen target or head) a copy of its weight in `precision.decode_dtype`,
-    used for inputs of at most `precision.decode_max_rows` rows. Parameter names and the state dict are unchanged.
-    The tied lm_head shares its copy with nothing (the embedding lookup keeps the full-precision table)."""
-    if not precision.split:
-        return model
-    copies: dict[int, _DecodeWeights] = {}
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            key = id(module.weight)
-            if key not in copies:
-                copies[key] = _DecodeWeights(module, precision.decode_torch_dtype, precision.decode_max_rows)
-            module.decode_weights = copies[key]
-            module.__class__ = DecodeLinear
-    return model
+    """Give `model` (a frozen target or head) its decode path (`runtime/cpu_decode.py`): forwards of at most
+    `precision.decode_max_rows` rows read weights in `precision.decode_dtype`, through the CPU decode kernels where
+    they are loaded. Without a separate decode dtype the kernels still serve up to `KERNEL_MAX_ROWS` rows on the CPU
+    (fused layers, fp32 weights). Parameter names and the state dict are unchanged."""
+    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+
+    if precision.split:
+        return apply_decode_path(model, precision.decode_torch_dtype, precision.decode_max_rows)
+    return apply_decode_path(model, precision.torch_dtype, KERNEL_MAX_ROWS)

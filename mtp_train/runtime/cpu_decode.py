@@ -1,0 +1,147 @@
+"""The decode path on CPU: few-row forwards (decode steps, verify of k + 1 tokens, head draft steps) through the
+`mtp_cpu` kernels, applied from outside the model definition.
+
+A decode step on a CPU is memory-bound: each weight meets one to a few rows. Two things kept our decode step far from
+the memory limit (measured on an AVX2-only Zen 3): torch's small-row matmuls (MKL's fp32 GEMV streams ~9 GB/s, ATen's
+bf16 path reads the weights once per row group and costs 2.9× more at 4 rows than at 1), and ~50 small ops per decoder
+layer between them (~30 ms of a 60 ms step). Here each `DecoderLayer` gets a `DecoderLayerKernel`: its weights packed
+once in the decode dtype (q/k/v fused, gate/up interleaved) and seven kernel calls per layer — RMSNorm, the fused QKV
+projection, RoPE + cache write + paged attention in place, the output projection with the residual add, RMSNorm,
+gate/up with SiLU-and-multiply, the down projection with the residual add. Every other linear (lm_head, a head's input
+projection) reads a `SmallRowLinear`: its weight in the decode dtype, multiplied by the same kernel.
+
+The kernels compute each output row independently, in the same order whatever the row count, so verifying k + 1
+tokens gives bit-identical rows to k + 1 decode steps. Prefill (many rows) keeps the model's own path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_train.runtime.attention import BatchInfo
+from mtp_train.runtime.kernels import cpu_kernels
+from mtp_train.runtime.model import DecoderLayer
+
+KERNEL_MAX_ROWS = 16  # the kernels read the weights once per 8 rows; above 16 rows torch's GEMMs win (measured)
+
+
+class SmallRowLinear:
+    """One linear's weight (and bias) in the decode dtype, for inputs of at most `max_rows` rows: through the
+    kernel when it is loaded and the activations are fp32 (fp32 accumulation), else `F.linear` with the activations
+    cast to the weight's dtype and the result cast back."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, max_rows: int):
+        self.weight = weight.detach().to(dtype).contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.max_rows = max_rows
+        self.ops = cpu_kernels() if self.weight.device.type == "cpu" else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        if self.ops is not None and x.dtype == torch.float32:
+            out = self.ops.linear(x.reshape(-1, shape[-1]).contiguous(), self.weight, self.bias, None)
+            return out.view(*shape[:-1], out.shape[-1])
+        bias = None if self.bias is None else self.bias.to(self.weight.dtype)
+        return F.linear(x.to(self.weight.dtype), self.weight, bias).to(x.dtype)
+
+
+class DecodeLinear(nn.Linear):
+    """`nn.Linear` whose calls with at most `small.max_rows` rows (outside autograd) read `small`, the weight in the
+    decode dtype; bigger inputs use the module's own weight. Set by `apply_decode_path`."""
+
+    small: SmallRowLinear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > self.small.max_rows or torch.is_grad_enabled() and x.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        return self.small(x)
+
+
+def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[inter, K] gate and up weights -> [inter, 2 K], interleaved in chunks of 8 columns (gate[n, 0:8], up[n, 0:8],
+    gate[n, 8:16], ...): one sequential stream per output for `linear_silu_mul`."""
+    inter, k = gate.shape
+    return torch.stack((gate.reshape(inter, k // 8, 8), up.reshape(inter, k // 8, 8)), dim=2).reshape(inter, 2 * k)
+
+
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
+
+
+class DecoderLayerKernel:
+    """A decoder layer's few-row cached forward as seven kernel calls (see the module docstring)."""
+
+    def __init__(self, layer: DecoderLayer, dtype: torch.dtype, max_rows: int, ops):
+        attn, mlp = layer.self_attn, layer.mlp
+
+        def weight(linear: nn.Linear) -> torch.Tensor:
+            return linear.weight.detach().to(dtype)
+
+        self.ops, self.max_rows = ops, max_rows
+        self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, attn.scale
+        self.window = attn.sliding_window or 0
+        self.qkv = torch.cat([weight(attn.q_proj), weight(attn.k_proj), weight(attn.v_proj)]).contiguous()
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        self.qkv_bias = None if biases[0] is None else torch.cat([_float(b) for b in biases])
+        self.o, self.o_bias = weight(attn.o_proj).contiguous(), _float(attn.o_proj.bias)
+        self.gate_up = pack_gate_up(weight(mlp.gate_proj), weight(mlp.up_proj)).contiguous()
+        self.gate_up_bias = None if mlp.gate_proj.bias is None else \
+            torch.stack((_float(mlp.gate_proj.bias), _float(mlp.up_proj.bias)), dim=1).contiguous()  # [inter, 2]
+        self.down, self.down_bias = weight(mlp.down_proj).contiguous(), _float(mlp.down_proj.bias)
+        norm = layer.input_layernorm
+        self.input_norm = None if norm is None else (_float(norm.weight), norm.eps)
+        norm = layer.post_attention_layernorm
+        self.post_norm = (_float(norm.weight), norm.eps)
+        self.q_norm = None if attn.q_norm is None else _float(attn.q_norm.weight)
+        self.k_norm = None if attn.k_norm is None else _float(attn.k_norm.weight)
+        self.qk_eps = attn.q_norm.eps if attn.q_norm is not None else 1e-6
+
+    @staticmethod
+    def supports(layer: DecoderLayer) -> bool:
+        """The layers the kernels cover: a SiLU MLP (every Llama-family model), hidden size a multiple of 8."""
+        return layer.mlp.act is F.silu and layer.mlp.gate_proj.in_features % 8 == 0 and layer.self_attn.head_dim % 2 == 0
+
+    def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
+        ops = self.ops
+        x = x.contiguous()  # [T, hidden] fp32
+        h = ops.rms_norm(x, *self.input_norm) if self.input_norm is not None else x
+        qkv = ops.linear(h, self.qkv, self.qkv_bias, None)  # [T, (heads + 2 kv_heads) * head_dim]
+        k_cache, v_cache = layer_cache
+        attn = ops.paged_attention(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.positions,
+                                   batch.qo_indptr, batch.kv_page_indptr, batch.kv_page_indices, self.num_heads,
+                                   self.num_kv_heads, self.scale, self.window, self.q_norm, self.k_norm, self.qk_eps)
+        x = ops.linear(attn, self.o, self.o_bias, x)  # + residual
+        h = ops.rms_norm(x, *self.post_norm)
+        return ops.linear(ops.linear_silu_mul(h, self.gate_up, self.gate_up_bias), self.down, self.down_bias, x)  # + residual
+
+
+def apply_decode_path(model: nn.Module, dtype: torch.dtype, max_rows: int) -> nn.Module:
+    """Give `model` (a frozen target or head) its decode path: every supported `DecoderLayer` a `DecoderLayerKernel`
+    (when the kernels are loaded, the weights fp32 and on the CPU), every other `nn.Linear` a `SmallRowLinear` copy
+    of its weight in `dtype` for inputs of at most `max_rows` rows. Parameter names and the state dict are unchanged;
+    tied weights share one copy."""
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    ops = cpu_kernels() if on_cpu else None
+    covered: set[int] = set()
+    if ops is not None:
+        for module in model.modules():
+            if isinstance(module, DecoderLayer) and module.self_attn.q_proj.weight.dtype == torch.float32 and \
+                    DecoderLayerKernel.supports(module):
+                module.decode_kernel = DecoderLayerKernel(module, dtype, max_rows, ops)
+                covered.update(id(m) for m in module.modules())
+    elif dtype == next(model.parameters()).dtype:
+        return model  # no kernels and no second weight copy: the model's own path is the decode path
+    if hasattr(model, "set_decode_projection"):  # a draft head: its output projection is not an nn.Linear
+        model.set_decode_projection(lambda weight: SmallRowLinear(weight, None, dtype, max_rows))
+    copies: dict[int, SmallRowLinear] = {}
+    for module in model.modules():
+        if type(module) is nn.Linear and id(module) not in covered:
+            key = id(module.weight)
+            if key not in copies:
+                copies[key] = SmallRowLinear(module.weight, module.bias, dtype, max_rows)
+            module.small = copies[key]
+            module.__class__ = DecodeLinear
+    return model

@@ -1,0 +1,94 @@
+"""The CPU decode kernels (`csrc/cpu_kernels.cpp`): built once per machine with torch's C++ extension loader (g++ and
+ninja, ~30 s), cached in torch's extension directory, registered as `torch.ops.mtp_cpu.*`.
+
+`cpu_kernels()` returns the op namespace, or None where they cannot be built (no compiler, `MTP_TRAIN_CPU_KERNELS=0`):
+the runtime then decodes through the plain torch path, with a warning saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+ENV_SWITCH = "MTP_TRAIN_CPU_KERNELS"
+_state: dict = {}
+
+
+def _build_flags() -> tuple[str, list[str]]:
+    """(variant, compiler flags): AVX2 + FMA code where the CPU has them, portable code elsewhere. The variant is part
+    of the extension's name, so a cache shared by machines of different kinds never loads the wrong build.
+    `-fopenmp` compiles ATen's inline `parallel_for` to OpenMP; the `libgomp.so.1` it links resolves to the one torch
+    has loaded already, so the kernels share torch's thread pool (no second runtime competing for the cores)."""
+    from mtp_train.runtime.hardware import cpu_facts
+
+    facts = cpu_facts()
+    if facts.is_x86 and {"avx2", "fma", "f16c"} <= set(facts.flags):
+        return "avx2", ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
+    return "generic", ["-O3", "-fopenmp"]
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch's extension builder runs `ninja` from PATH; an unactivated virtualenv has the `ninja` wheel's binary
+    only in its own bin directory."""
+    if shutil.which("ninja"):
+        return
+    candidates = [str(Path(sys.executable).parent)]
+    try:
+        import ninja
+
+        candidates.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    os.environ["PATH"] = os.pathsep.join(candidates + [os.environ.get("PATH", "")])
+
+
+def cpu_kernels():
+    """`torch.ops.mtp_cpu` once built and loaded; None when unavailable (the reason is in `unavailable_reason()`)."""
+    if "ops" in _state:
+        return _state["ops"]
+    _state["ops"] = None
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        _state["reason"] = f"{ENV_SWITCH}=0"
+        return None
+    variant, flags = _build_flags()
+    name = f"mtp_cpu_kernels_{variant}"
+    start = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        _ensure_ninja_on_path()
+        if not (Path(_get_build_directory(name, False)) / f"{name}.so").is_file():
+            print(f"building the CPU decode kernels ({SOURCE.name}, {variant}; once per machine, ~30 s)",
+                  file=sys.stderr, flush=True)
+
+        load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    except Exception as err:  # no compiler, no ninja, a read-only cache: decode still works, only slower
+        _state["reason"] = f"could not build {SOURCE.name}: {str(err).strip().splitlines()[-1] if str(err) else err!r}"
+        log.warning("CPU decode kernels unavailable (%s); decoding through the plain torch path", _state["reason"])
+        return None
+    _state["ops"] = torch.ops.mtp_cpu
+    _state["variant"] = variant
+    _state["load_seconds"] = time.perf_counter() - start
+    return _state["ops"]
+
+
+def unavailable_reason() -> str | None:
+    return _state.get("reason")
+
+
+def kernels_summary() -> str:
+    """One line for `mtp-train env`: which build is loaded and how long loading (or building) took."""
+    ops = cpu_kernels()
+    if ops is None:
+        return f"unavailable ({unavailable_reason()})"
+    return f"mtp_cpu ({_state['variant']}), loaded in {_state['load_seconds']:.1f} s"

@@ -1,0 +1,144 @@
+"""The CPU decode kernels (`runtime/csrc/cpu_kernels.cpp`) and the decode path built on them (`runtime/cpu_decode.py`):
+each kernel against torch, verify rows bit-identical to decode steps, greedy speculative output identical to plain
+greedy with a head served by the kernels, bf16 decode weights within bf16 rounding, and the fallback without kernels.
+(Logits parity with transformers through the kernels on every architecture: tests/test_runtime_parity.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtp_train.heads import DraftHead, HeadConfig
+from mtp_train.runtime import kernels
+from mtp_train.runtime.attention import BatchInfo
+from mtp_train.runtime.cpu_decode import (
+    KERNEL_MAX_ROWS,
+    DecodeLinear,
+    SmallRowLinear,
+    apply_decode_path,
+    pack_gate_up,
+)
+from mtp_train.runtime.kv_cache import PageAllocator, Sequence
+from mtp_train.runtime.loader import load_model
+from tests.spec_helpers import make_prompts, run_and_compare
+from tests.tiny_models import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = kernels.cpu_kernels()
+    assert ops is not None, f"the CPU decode kernels did not build: {kernels.unavailable_reason()}"
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [64, 576, 77])  # 77: columns past the last multiple of 8
+def test_linear_matches_torch(ops, rows, weight_dtype, in_features):
+    gen = torch.Generator().manual_seed(rows * in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(200, in_features, generator=gen).to(weight_dtype)
+    bias, residual = torch.randn(200, generator=gen), torch.randn(rows, 200, generator=gen)
+    reference = F.linear(x.double(), weight.double())  # fp32 accumulation vs an fp64 reference
+    tol = dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.linear(x, weight, None, None), reference.float(), **tol)
+    torch.testing.assert_close(ops.linear(x, weight, bias, residual), (reference + bias + residual).float(), **tol)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_silu_mul_matches_torch(ops, rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=gen)
+    gate, up = torch.randn(40, 64, generator=gen).bfloat16(), torch.randn(40, 64, generator=gen).bfloat16()
+    gate_bias, up_bias = torch.randn(40, generator=gen), torch.randn(40, generator=gen)
+    bias = torch.stack((gate_bias, up_bias), dim=1).contiguous() if with_bias else None
+    expected = F.silu(F.linear(x, gate.float(), gate_bias if with_bias else None)) * F.linear(
+        x, up.float(), up_bias if with_bias else None)
+    torch.testing.assert_close(ops.linear_silu_mul(x, pack_gate_up(gate, up).contiguous(), bias), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_matches_transformers_formula(ops):
+    x, weight = torch.randn(3, 96) * 4, torch.randn(96)
+    expected = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_inputs_are_refused_with_their_reason(ops):
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear(torch.randn(2, 8), torch.randn(4, 16), None, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.linear(torch.randn(2, 8).double(), torch.randn(4, 8), None, None)
+
+
+# ---- the decode path on a tiny Llama -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=7)
+
+
+def _kernel_model(path, dtype=torch.float32):
+    model = load_model(path, dtype="float32", device="cpu")
+    return apply_decode_path(model, dtype, KERNEL_MAX_ROWS)
+
+
+def test_verify_rows_are_bit_identical_to_decode_steps(ops, tiny_dir):
+    """Each row is computed in the same order whatever the row count: a verify of 5 tokens gives exactly the logits of
+    5 decode steps (the property that makes greedy speculation reproduce plain greedy bit for bit)."""
+    model = _kernel_model(tiny_dir)
+    ids = torch.randint(2, 96, (17,), generator=torch.Generator().manual_seed(0)).tolist()
+    allocator = PageAllocator(16, page_size=4)
+    cache = model.new_kv_cache(allocator)
+    seq = Sequence(0)
+    model(torch.tensor(ids[:12]), BatchInfo.for_sequences([seq], [12], allocator), cache)
+    verify = model(torch.tensor(ids[12:]), BatchInfo.for_sequences([seq], [5], allocator, advance=False), cache).logits
+    steps = torch.cat([model(torch.tensor([t]), BatchInfo.for_sequences([seq], [1], allocator), cache).logits
+                       for t in ids[12:]])
+    assert torch.equal(verify, steps)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_greedy_speculative_equals_plain_greedy_through_the_kernels(ops, tiny_dir, k, batch_size):
+    target = _kernel_model(tiny_dir, torch.bfloat16)
+    torch.manual_seed(0)
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="last_layer"))
+    apply_decode_path(head, torch.bfloat16, KERNEL_MAX_ROWS)
+    assert head.layers[0].decode_kernel is not None and isinstance(head.eh_proj, DecodeLinear)
+    _, stats = run_and_compare(target, head, make_prompts(batch_size), max_new_tokens=12, k=k)
+    assert stats.accepted_tokens > 0  # a last-layer head agrees with its target now and then
+
+
+def test_bf16_decode_weights_stay_within_bf16_rounding(ops, tiny_dir):
+    fp32, bf16 = _kernel_model(tiny_dir), _kernel_model(tiny_dir, torch.bfloat16)
+    ids = torch.randint(2, 96, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = []
+    for model in (fp32, bf16):
+        allocator = PageAllocator(8, page_size=4)
+        cache, seq = model.new_kv_cache(allocator), Sequence(0)
+        model(torch.tensor(ids[:6]), BatchInfo.for_sequences([seq], [6], allocator), cache)
+        logits.append(model(torch.tensor(ids[6:]), BatchInfo.for_sequences([seq], [3], allocator), cache).logits)
+    difference = (logits[0] - logits[1]).abs().max()
+    assert 0 < difference <= 0.02 * logits[0].abs().max()  # really the bf16 copy, and only its rounding
+
+
+def test_without_kernels_the_small_row_linear_falls_back_to_torch(monkeypatch):
+    monkeypatch.setattr(kernels, "_state", {"ops": None, "reason": "disabled by the test"})
+    weight, bias = torch.randn(12, 16), torch.randn(12)
+    small = SmallRowLinear(weight, bias, torch.bfloat16, max_rows=4)
+    assert small.ops is None
+    x = torch.randn(2, 16)
+    expected = F.linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16()).float()
+    torch.testing.assert_close(small(x), expected)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    assert kernels.cpu_kernels() is None
+    assert kernels.ENV_SWITCH in kernels.unavailable_reason()
+    assert kernels.kernels_summary().startswith("unavailable")
