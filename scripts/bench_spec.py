@@ -41,7 +41,7 @@ def main() -> None:
     from mtp_train.runtime.generate import generate
     from mtp_train.runtime.loader import load_model, load_tokenizer
     from mtp_train.runtime.spec import PromptLookup, speculative_generate
-    from step_costs import head_step_seconds, target_step_seconds
+    from mtp_train.runtime.spec.costs import head_step_seconds, target_step_seconds
 
     target_dir = Path(args.target) if args.target else ensure_default_model()
     from mtp_train.runtime.hardware import machine_fields
