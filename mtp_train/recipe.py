@@ -216,6 +216,8 @@ class EvalSection(_Section):
     num_speculative_tokens: list[int] = Field(default_factory=lambda: [1, 2, 3], min_length=1)
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    cost_curve: bool = Field(True, description="measure decode/verify/draft-step costs after the runs (a few "
+                             "seconds) and report the speedup they predict per k (best k by cost curve)")
 
     @field_validator("num_speculative_tokens")
     @classmethod

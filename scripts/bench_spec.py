@@ -1,130 +1,413 @@
 #!/usr/bin/env python
-"""Speculative decoding speed on MT-bench prompts, SmolLM2 in the dtypes `auto` picks here (`--dtype`), batch 1,
-greedy, in one process:
-transformers `generate`, transformers prompt-lookup generation, our plain decode, our MTP speculative decode
-(k = 1..4) and our prompt lookup; tokens/s and ratios to transformers `generate`, τ, and a cost profile (target
-decode step, target verify of k+1 tokens, one head step). Ends with a `RESULT` line."""
+"""Decode cost profile per decode path and speculative decoding speed, SmolLM2 on the CPU, batch 1, greedy, one process.
+
+Paths (each with its own target, weight copies and head):
+- `torch`: our runtime without the decode path (fp32 weights, the model's own torch ops);
+- `kernels-fp32`: the same model with the CPU decode kernels over fp32 weights (`apply_decode_path`);
+- `auto`: the model as the pipeline loads it (`--dtype auto`: on an AVX2-only CPU fp32 weights, bf16 copies read
+  by the kernels for forwards of up to `decode_max_rows` rows).
+
+1. Cost profile, per path, for a short (~200-token) and a long (~4k-token) prompt (MT-bench questions and the repo's
+   README/docs in one user message; the token counts are printed): one target decode step (ms); the bytes it streams
+   (the decoder layers' and lm_head's weights in the dtype that path's few-row forward reads, plus the K/V history:
+   2 × layers × kv_len × kv_heads × head_dim × cache element size) over its time, as a fraction of the read bandwidth
+   measured in this process right before the profile; verify of n = 2, 4, 8 tokens relative to one decode step; one
+   head draft step relative to one decode step (short prompt).
+2. Speculative speed on MT-bench prompts (`auto` path; the slower paths would take too long): transformers
+   `generate` and its prompt lookup (in the dtype of our decode weights), our plain decode on the `auto` and `torch`
+   paths, our MTP speculative decode at each k and our prompt lookup; tokens/s, ratios and τ.
+
+Ends with one `RESULT` line: `decode_bw_frac`, `verify4_over_decode` (auto, short prompt), `speedup_best` (auto, best
+MTP k over auto plain), `long_decode_over_short` (auto), per-path figures and the machine.
+
+Wall time on the 2-core AVX2 Zen 3 (idle): `--quick` (2 prompts, 48 new tokens, k = 1 and 3, fewer repeats) about
+3 minutes; the full run (6 prompts, 128 new tokens, k = 1..4) about 12. The machine is shared: when the bandwidth
+measured after the profile differs from the one before by more than 25% the script says the figures are noisy."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PATHS = ("torch", "kernels-fp32", "auto")
+VERIFY_ROWS = (2, 4, 8)
+PROMPT_INSTRUCTION = "Summarize the text above in three sentences."
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=None)
-    parser.add_argument("--head", default="runs/smollm2-135m-mtp/head", help="trained head (else an untrained one)")
-    parser.add_argument("--prompts", type=Path, default=Path("../shared/data/eval/mt_bench.jsonl"))
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
-    parser.add_argument("--quick", action="store_true", help="2 prompts, 48 tokens, k = 1 and 3")
-    args = parser.parse_args()
-    if args.quick:
-        args.num_prompts, args.new_tokens, args.ks = 2, 48, [1, 3]
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
-    from transformers import AutoModelForCausalLM
+@dataclass
+class DecodePath:
+    """One way of running the decode phase: a target and a head over it, with their own weight copies."""
 
-    from mtp_train.assets import ensure_default_model
+    name: str  # one of PATHS
+    description: str
+    target: object  # CausalLM
+    head: object  # DraftHead
+
+
+@dataclass
+class StepProfile:
+    """What one target forward of a few tokens costs on one path after one prompt, and what it reads."""
+
+    path: str
+    prompt: str  # "short" | "long"
+    prompt_tokens: int
+    step_seconds: dict[int, float]  # {tokens in the forward: seconds}; 1 = a decode step, n > 1 = a verify of n
+    weight_bytes: int  # weights one decode step reads
+    kv_bytes: int  # K/V history one decode step reads
+    head_seconds: float | None  # one head draft step (short prompt only)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.step_seconds[1]
+
+    @property
+    def streamed_gbs(self) -> float:
+        """Bytes one decode step reads over its time, GB/s."""
+        return (self.weight_bytes + self.kv_bytes) / self.decode_seconds / 1e9
+
+    def bandwidth_fraction(self, bandwidth_gbs: float) -> float:
+        return self.streamed_gbs / bandwidth_gbs
+
+    def verify_over_decode(self, n: int) -> float:
+        return self.step_seconds[n] / self.decode_seconds
+
+    @property
+    def head_over_decode(self) -> float | None:
+        return None if self.head_seconds is None else self.head_seconds / self.decode_seconds
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompts
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def prompt_sources(mt_bench: Path) -> list[tuple[str, str]]:
+    """[(label, text)]: the MT-bench questions (every turn) when the file is there, and the repo's README and docs."""
+    sources = []
+    if mt_bench.is_file():
+        rows = [json.loads(line) for line in mt_bench.read_text().splitlines() if line.strip()]
+        sources.append(("MT-bench questions", "\n\n".join(turn for row in rows for turn in row.get("turns", []))))
+    docs = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    text = "\n\n".join(path.read_text() for path in docs if path.is_file())
+    if text:
+        sources.append(("README/docs", text))
+    return sources
+
+
+def build_long_prompt(tokenizer, sources: list[tuple[str, str]], tokens: int) -> tuple[list[int], str]:
+    """A chat prompt of about `tokens` tokens: the sources' opening tokens in equal shares (a short source leaves its
+    share to the next ones) in one user message, then `PROMPT_INSTRUCTION`. Returns (ids, what it is made of)."""
+    from mtp_train.runtime.chat import encode_chat
+
+    overhead = len(encode_chat(tokenizer, [{"role": "user", "content": "\n\n" + PROMPT_INSTRUCTION}]))
+    remaining, pieces, parts = max(tokens - overhead, 0), [], []
+    for i, (label, text) in enumerate(sources):
+        share = remaining // (len(sources) - i)
+        ids = tokenizer.encode(text, add_special_tokens=False)[:share]
+        remaining -= len(ids)
+        pieces.append(tokenizer.decode(ids))
+        parts.append(f"{label} {len(ids)}")
+    ids = encode_chat(tokenizer, [{"role": "user", "content": "\n\n".join(pieces + [PROMPT_INSTRUCTION])}])
+    return ids, f"{len(ids)} tokens ({', '.join(parts)}, chat template + instruction {overhead})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paths and bytes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_paths(names, target_dir: Path, head_dir: str, precision) -> list[DecodePath]:
+    """Each path's target and head, loaded separately (separate weight copies)."""
+    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+    from mtp_train.runtime.loader import load_model
+    from mtp_train.runtime.precision import apply_decode_weights
+
+    paths = []
+    for name in names:
+        if name == "auto":
+            target = load_model(target_dir, device="cpu", precision=precision)
+            head = apply_decode_weights(load_head(head_dir, target), precision)
+            description = f"load_model(precision): {precision.describe()}"
+        elif name == "kernels-fp32":
+            target = apply_decode_path(load_model(target_dir, device="cpu", dtype="float32"), torch.float32,
+                                       KERNEL_MAX_ROWS)
+            head = apply_decode_path(load_head(head_dir, target), torch.float32, KERNEL_MAX_ROWS)
+            description = f"fp32 weights, CPU decode kernels up to {KERNEL_MAX_ROWS} rows"
+        else:
+            target = load_model(target_dir, device="cpu", dtype="float32")
+            head = load_head(head_dir, target)
+            description = "fp32 weights, the model's own torch ops (no decode path)"
+        kernels = sum(layer.decode_kernel is not None for layer in target.model.layers)
+        paths.append(DecodePath(name, f"{description}; {kernels}/{len(target.model.layers)} layers on kernels",
+                                target, head))
+    return paths
+
+
+def load_head(head_dir: str, target):
+    """The trained head at `head_dir` over `target` in its dtype, else an untrained one (same shapes and cost)."""
     from mtp_train.export.load import load_any_head
     from mtp_train.heads import DraftHead, HeadConfig
-    from mtp_train.runtime.chat import encode_chat, stop_token_ids
-    from mtp_train.runtime.generate import generate
-    from mtp_train.runtime.loader import load_model, load_tokenizer
-    from mtp_train.runtime.spec import PromptLookup, speculative_generate
+
+    if Path(head_dir).is_dir():
+        return load_any_head(head_dir, target, dtype=target.dtype)
+    return DraftHead.from_target(target, HeadConfig.for_target(target.config, target.fingerprint, kind="mtp"))
+
+
+def few_row_weight(linear) -> torch.Tensor:
+    """The weight a linear's forward of one row reads: its decode copy (`DecodeLinear.small`) where it has one."""
+    small = getattr(linear, "small", None)
+    return small.weight if small is not None else linear.weight
+
+
+def weight_bytes_per_step(target) -> int:
+    """Weight bytes one decode step of `target` reads: every decoder layer's matrices in the dtype its few-row forward
+    holds them in (the kernel's packed copies, else the q_proj's one-row weight; norm vectors: fp32 in the kernel, own
+    dtype otherwise) plus the lm_head's one-row weight. The one embedding row is left out."""
+    total = 0
+    for layer in target.model.layers:
+        kernel = layer.decode_kernel
+        matrix_size = kernel.qkv.element_size() if kernel is not None else \
+            few_row_weight(layer.self_attn.q_proj).element_size()
+        for p in layer.parameters():
+            total += p.numel() * (matrix_size if p.dim() == 2 else 4 if kernel is not None else p.element_size())
+    weight = few_row_weight(target.lm_head)
+    return total + weight.numel() * weight.element_size()
+
+
+def kv_bytes_per_step(target, kv_len: int) -> int:
+    """K/V bytes one decode step reads over a history of `kv_len` tokens (K and V, every layer)."""
+    c = target.config
+    element = torch.empty((), dtype=target.dtype).element_size()  # the cache holds the target's dtype
+    return 2 * c.num_hidden_layers * kv_len * c.num_key_value_heads * c.head_dim * element
+
+
+def profile_path(path: DecodePath, prompt: str, ids: list[int], repeats: int, with_head: bool) -> StepProfile:
     from mtp_train.runtime.spec.costs import head_step_seconds, target_step_seconds
 
-    target_dir = Path(args.target) if args.target else ensure_default_model()
-    from mtp_train.runtime.hardware import machine_fields
-    from mtp_train.runtime.precision import apply_decode_weights, resolve_precision
+    steps = target_step_seconds(path.target, ids, [1, *VERIFY_ROWS], repeats=repeats)
+    head = head_step_seconds(path.target, path.head, ids, repeats=3 * repeats) if with_head else None
+    return StepProfile(path.name, prompt, len(ids), steps, weight_bytes_per_step(path.target),
+                       kv_bytes_per_step(path.target, len(ids) + 1), head)
 
-    precision = resolve_precision(args.dtype, "auto", "cpu")
-    print(f"ours: {precision.describe()}; transformers: {precision.decode_dtype}")
-    ours = load_model(target_dir, device="cpu", precision=precision)
-    tokenizer = load_tokenizer(target_dir)
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=precision.decode_torch_dtype).eval()
-    if Path(args.head).is_dir():
-        head, head_label = load_any_head(args.head, ours, dtype=ours.dtype), args.head
-    else:
-        head = DraftHead.from_target(ours, HeadConfig.for_target(ours.config, ours.fingerprint, kind="mtp"))
-        head_label = "untrained random-init head (no --head found)"
-    head = apply_decode_weights(head, precision)
-    rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": r["turns"][0]}]) for r in rows[: args.num_prompts]]
-    stops = stop_token_ids(tokenizer, ours.config)
-    eos = list(stops)
 
-    def hf_run(ids, lookup: bool):
-        kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=eos)
-        if lookup:
-            kwargs["prompt_lookup_num_tokens"] = 10
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), **kwargs)
-        return out.shape[1] - len(ids)
+def print_profiles(profiles: list[StepProfile], bandwidth_gbs: float) -> None:
+    print(f"\n{'path':13s} {'prompt':>6s} {'tokens':>6s} {'decode ms':>9s} {'weights MB':>10s} {'K/V MB':>7s} "
+          f"{'GB/s':>5s} {'bw frac':>7s} " + " ".join(f"{f'verify{n}':>7s}" for n in VERIFY_ROWS) + f" {'head':>5s}")
+    for p in profiles:
+        head = f"{p.head_over_decode:5.2f}" if p.head_over_decode is not None else f"{'-':>5s}"
+        print(f"{p.path:13s} {p.prompt:>6s} {p.prompt_tokens:6d} {p.decode_seconds * 1e3:9.1f} "
+              f"{p.weight_bytes / 1e6:10.1f} {p.kv_bytes / 1e6:7.1f} {p.streamed_gbs:5.1f} "
+              f"{p.bandwidth_fraction(bandwidth_gbs):7.2f} "
+              + " ".join(f"{p.verify_over_decode(n):7.2f}" for n in VERIFY_ROWS) + f" {head}")
+    print(f"(verifyN and head: seconds relative to one decode step of the same path and prompt; bw frac: (weights + "
+          f"K/V) / decode time / {bandwidth_gbs:.1f} GB/s)")
 
-    contenders = {
-        "hf_generate": lambda ids: (hf_run(ids, False), None),
-        "hf_prompt_lookup": lambda ids: (hf_run(ids, True), None),
-        "ours_plain": lambda ids: (len(generate(ours, [ids], args.new_tokens, stop_token_ids=stops)[0][0].token_ids), None),
-    }
-    for k in args.ks:
-        contenders[f"ours_mtp_k{k}"] = lambda ids, k=k: _spec(speculative_generate(ours, head, [ids], args.new_tokens, k,
-                                                                                    stop_token_ids=stops))
-    contenders["ours_lookup_k3"] = lambda ids: _spec(speculative_generate(ours, PromptLookup(), [ids], args.new_tokens,
-                                                                            3, stop_token_ids=stops))
+
+# ---------------------------------------------------------------------------------------------------------------
+# speculative speed
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ContenderTotals:
+    tokens: int = 0
+    seconds: float = 0.0
+    target_forwards: int = 0  # per sequence (τ's denominator); 0 when not speculative
+    spec_tokens: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def tau(self) -> float:
+        return self.spec_tokens / self.target_forwards if self.target_forwards else float("nan")
+
+
+def run_contenders(contenders: dict, prompts: list[list[int]]) -> dict[str, ContenderTotals]:
+    """Every contender on every prompt, interleaved prompt by prompt (noise hits every contender alike)."""
     for fn in contenders.values():  # warm-up
         fn(prompts[0][:12])
-    totals = {name: [0, 0.0, 0, 0] for name in contenders}  # tokens, seconds, target forwards, spec tokens
+    totals = {name: ContenderTotals() for name in contenders}
     for ids in prompts:
-        for name, fn in contenders.items():  # interleaved: noise hits every contender alike
+        for name, fn in contenders.items():
             start = time.perf_counter()
             tokens, stats = fn(ids)
-            totals[name][0] += tokens
-            totals[name][1] += time.perf_counter() - start
+            totals[name].seconds += time.perf_counter() - start
+            totals[name].tokens += tokens
             if stats is not None:
-                totals[name][2] += stats.target_sequence_forwards
-                totals[name][3] += stats.new_tokens
-    base = totals["hf_generate"][0] / totals["hf_generate"][1]
-    plain = totals["ours_plain"][0] / totals["ours_plain"][1]
-    print(f"head: {head_label}; {len(prompts)} MT-bench prompts, <= {args.new_tokens} new tokens, batch 1, greedy")
-    print(f"{'contender':18s} {'tok/s':>8s} {'vs HF':>6s} {'vs plain':>8s} {'tau':>6s}")
-    result = {}
-    for name, (tokens, seconds, forwards, spec_tokens) in totals.items():
-        tps = tokens / seconds
-        tau = spec_tokens / forwards if forwards else float("nan")
-        print(f"{name:18s} {tps:8.1f} {tps / base:6.2f} {tps / plain:8.2f} {tau:6.2f}")
-        result[name] = (tps, tau)
-
-    # Cost profile: what one target decode step, one verify of k+1 tokens and one head step cost.
-    target_seconds = target_step_seconds(ours, prompts[0], [1] + [k + 1 for k in args.ks], repeats=10)
-    decode = target_seconds[1]
-    profile = {f"verify{k + 1}": target_seconds[k + 1] / decode for k in args.ks}
-    head_cost = head_step_seconds(ours, head, prompts[0], repeats=10) / decode
-    print("cost relative to one target decode step: " + ", ".join(f"{k}={v:.2f}" for k, v in profile.items()) +
-          f", head step (with vocab projection)={head_cost:.2f}")
-    best = max((n for n in result if n.startswith("ours_mtp")), key=lambda n: result[n][0])
-    print(f"RESULT hf_tok_s={base:.2f} ours_plain_tok_s={plain:.2f} plain_vs_hf={plain / base:.3f} "
-          f"hf_lookup_vs_hf={result['hf_prompt_lookup'][0] / base:.3f} best_mtp={best} "
-          f"best_mtp_vs_plain={result[best][0] / plain:.3f} best_mtp_vs_hf={result[best][0] / base:.3f} "
-          f"best_mtp_tau={result[best][1]:.3f} lookup_tau={result['ours_lookup_k3'][1]:.3f} "
-          + " ".join(f"{n}_tok_s={v[0]:.2f}" for n, v in result.items() if n.startswith("ours_mtp"))
-          + f" head_step_cost={head_cost:.3f} " + " ".join(f"{k}_cost={v:.3f}" for k, v in profile.items())
-          + f" decode_dtype={precision.decode_dtype} decode_max_rows={precision.decode_max_rows} "
-          + machine_fields(precision.dtype))
+                totals[name].target_forwards += stats.target_sequence_forwards
+                totals[name].spec_tokens += stats.new_tokens
+    return totals
 
 
 def _spec(outcome):
     results, stats = outcome
     return len(results[0].token_ids), stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=None, help="model dir (default: fetched SmolLM2)")
+    parser.add_argument("--head", default="runs/smollm2-135m-mtp/head", help="trained head (else an untrained one)")
+    parser.add_argument("--prompts", type=Path, default=Path("../shared/data/eval/mt_bench.jsonl"))
+    parser.add_argument("--num-prompts", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--short-tokens", type=int, default=200, help="short profile prompt, tokens")
+    parser.add_argument("--long-tokens", type=int, default=4000, help="long profile prompt, tokens")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
+                        help="paths to profile (`auto` always)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", help="the `auto` path's dtype: auto | float32 | bfloat16")
+    parser.add_argument("--quick", action="store_true", help="2 prompts, 48 tokens, k = 1 and 3, fewer repeats")
+    args = parser.parse_args()
+    repeats_short, repeats_long = 8, 2  # calls per round of `target_step_seconds` (best of 3 rounds, 3 warm-up calls)
+    if args.quick:
+        args.num_prompts, args.new_tokens, args.ks = 2, 48, [1, 3]
+        repeats_short, repeats_long = 3, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [name for name in PATHS if name in args.paths or name == "auto"]
+
+    from transformers import AutoModelForCausalLM
+
+    from mtp_train.assets import ensure_default_model
+    from mtp_train.runtime.chat import encode_chat, stop_token_ids
+    from mtp_train.runtime.generate import generate
+    from mtp_train.runtime.hardware import machine_fields, measure_read_bandwidth_gbs
+    from mtp_train.runtime.loader import load_tokenizer
+    from mtp_train.runtime.precision import resolve_precision
+    from mtp_train.runtime.spec import PromptLookup, speculative_generate
+
+    run_started = time.perf_counter()
+    target_dir = Path(args.target) if args.target else ensure_default_model()
+    precision = resolve_precision(args.dtype, "auto", "cpu")
+    tokenizer = load_tokenizer(target_dir)
+    started = time.perf_counter()
+    paths = load_paths(names, target_dir, args.head, precision)
+    by_name = {path.name: path for path in paths}
+    auto = by_name["auto"]
+    head_label = args.head if Path(args.head).is_dir() else "untrained random-init head (no --head found)"
+    print(f"{len(paths)} paths loaded in {time.perf_counter() - started:.1f} s; {torch.get_num_threads()} threads; "
+          f"head: {head_label}")
+    for path in paths:
+        print(f"  {path.name:13s} {path.description}")
+
+    # 1. cost profile
+    sources = prompt_sources(args.prompts)
+    short_ids, short_what = build_long_prompt(tokenizer, sources, args.short_tokens)
+    long_ids, long_what = build_long_prompt(tokenizer, sources, args.long_tokens)
+    print(f"profile prompts: short {short_what}; long {long_what}")
+    bandwidth = measure_read_bandwidth_gbs()
+    print(f"read bandwidth measured right before the profile (sum over a 256 MiB fp32 buffer, best time): "
+          f"{bandwidth:.1f} GB/s — the figure every bw frac below uses")
+    profiles: dict[tuple[str, str], StepProfile] = {}
+    for path in paths:
+        started = time.perf_counter()
+        profiles[path.name, "short"] = profile_path(path, "short", short_ids, repeats_short, with_head=True)
+        profiles[path.name, "long"] = profile_path(path, "long", long_ids, repeats_long, with_head=False)
+        print(f"  {path.name} profiled in {time.perf_counter() - started:.1f} s")
+    print_profiles(list(profiles.values()), bandwidth)
+    bandwidth_after = measure_read_bandwidth_gbs()
+    print(f"read bandwidth measured again after the profile: {bandwidth_after:.1f} GB/s (not used)")
+    if abs(bandwidth_after - bandwidth) > 0.25 * max(bandwidth, bandwidth_after):
+        print("warning: the read bandwidth changed by more than 25% during the profile: the machine is shared and was "
+              "busy, so the step times above are noisy (the kernels' threads wait on each other when a core is taken)")
+
+    # 2. speculative speed, MT-bench prompts
+    rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": r["turns"][0]}]) for r in rows[: args.num_prompts]]
+    stops = stop_token_ids(tokenizer, auto.target.config)
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=precision.decode_torch_dtype).eval()
+
+    def hf_run(ids, lookup: bool):
+        kwargs = {"max_new_tokens": args.new_tokens, "do_sample": False, "eos_token_id": list(stops)}
+        if lookup:
+            kwargs["prompt_lookup_num_tokens"] = 10
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), **kwargs)
+        return out.shape[1] - len(ids), None
+
+    def plain(target):
+        return lambda ids: (len(generate(target, [ids], args.new_tokens, stop_token_ids=stops)[0][0].token_ids), None)
+
+    contenders = {"hf_generate": lambda ids: hf_run(ids, False), "hf_prompt_lookup": lambda ids: hf_run(ids, True)}
+    if "torch" in by_name:
+        contenders["torch_plain"] = plain(by_name["torch"].target)
+    contenders["auto_plain"] = plain(auto.target)
+    for k in args.ks:
+        contenders[f"auto_mtp_k{k}"] = lambda ids, k=k: _spec(speculative_generate(
+            auto.target, auto.head, [ids], args.new_tokens, k, stop_token_ids=stops))
+    contenders["auto_lookup_k3"] = lambda ids: _spec(speculative_generate(
+        auto.target, PromptLookup(), [ids], args.new_tokens, 3, stop_token_ids=stops))
+    started = time.perf_counter()
+    totals = run_contenders(contenders, prompts)
+    print(f"\n{len(contenders)} contenders run in {time.perf_counter() - started:.1f} s")
+    hf_tps, plain_tps = totals["hf_generate"].tokens_per_second, totals["auto_plain"].tokens_per_second
+    print(f"{len(prompts)} MT-bench prompts, <= {args.new_tokens} new tokens, batch 1, greedy; transformers in "
+          f"{precision.decode_dtype}")
+    print(f"{'contender':18s} {'tok/s':>8s} {'vs HF':>6s} {'vs auto plain':>13s} {'tau':>6s}")
+    for name, total in totals.items():
+        tps = total.tokens_per_second
+        print(f"{name:18s} {tps:8.1f} {tps / hf_tps:6.2f} {tps / plain_tps:13.2f} {total.tau:6.2f}")
+    if "torch_plain" in totals:
+        print(f"auto plain vs torch plain: {plain_tps / totals['torch_plain'].tokens_per_second:.2f}×")
+
+    # 3. RESULT
+    best = max((name for name in totals if name.startswith("auto_mtp")), key=lambda n: totals[n].tokens_per_second)
+    short, long = profiles["auto", "short"], profiles["auto", "long"]
+    fields = {
+        "decode_bw_frac": f"{short.bandwidth_fraction(bandwidth):.3f}",
+        "verify4_over_decode": f"{short.verify_over_decode(4):.3f}",
+        "speedup_best": f"{totals[best].tokens_per_second / plain_tps:.3f}",
+        "long_decode_over_short": f"{long.decode_seconds / short.decode_seconds:.3f}",
+        "auto_decode_ms": f"{short.decode_seconds * 1e3:.2f}",
+        "auto_long_decode_ms": f"{long.decode_seconds * 1e3:.2f}",
+        "auto_long_bw_frac": f"{long.bandwidth_fraction(bandwidth):.3f}",
+        "auto_verify2_over_decode": f"{short.verify_over_decode(2):.3f}",
+        "auto_verify8_over_decode": f"{short.verify_over_decode(8):.3f}",
+        "auto_long_verify4_over_decode": f"{long.verify_over_decode(4):.3f}",
+        "head_step_over_decode": f"{short.head_over_decode:.3f}",
+    }
+    for name in ("torch", "kernels-fp32"):
+        if name in by_name:
+            key, p = name.replace("-", "_"), profiles[name, "short"]
+            fields[f"{key}_decode_ms"] = f"{p.decode_seconds * 1e3:.2f}"
+            fields[f"{key}_long_decode_ms"] = f"{profiles[name, 'long'].decode_seconds * 1e3:.2f}"
+            fields[f"{key}_decode_bw_frac"] = f"{p.bandwidth_fraction(bandwidth):.3f}"
+            fields[f"{key}_verify4_over_decode"] = f"{p.verify_over_decode(4):.3f}"
+    fields |= {
+        "best_mtp_k": best.removeprefix("auto_mtp_k"),
+        "best_mtp_tau": f"{totals[best].tau:.3f}",
+        "lookup_speedup": f"{totals['auto_lookup_k3'].tokens_per_second / plain_tps:.3f}",
+        "lookup_tau": f"{totals['auto_lookup_k3'].tau:.3f}",
+        "auto_plain_tok_s": f"{plain_tps:.2f}",
+        "hf_tok_s": f"{hf_tps:.2f}",
+        "plain_vs_hf": f"{plain_tps / hf_tps:.3f}",
+        "hf_lookup_vs_hf": f"{totals['hf_prompt_lookup'].tokens_per_second / hf_tps:.3f}",
+    }
+    if "torch_plain" in totals:
+        fields["auto_plain_vs_torch_plain"] = f"{plain_tps / totals['torch_plain'].tokens_per_second:.3f}"
+    fields |= {f"mtp_k{k}_speedup": f"{totals[f'auto_mtp_k{k}'].tokens_per_second / plain_tps:.3f}" for k in args.ks}
+    fields |= {
+        "short_prompt_tokens": str(short.prompt_tokens),
+        "long_prompt_tokens": str(long.prompt_tokens),
+        "bandwidth_gbs": f"{bandwidth:.2f}",
+        "bandwidth_after_gbs": f"{bandwidth_after:.2f}",
+        "wall_s": f"{time.perf_counter() - run_started:.0f}",
+        "threads": str(torch.get_num_threads()),
+        "decode_dtype": precision.decode_dtype,
+        "decode_max_rows": str(precision.decode_max_rows),
+    }
+    fields_text = " ".join(f"{key}={value}" for key, value in fields.items())
+    print(f"RESULT {fields_text} {machine_fields(precision.dtype)}")
 
 
 if __name__ == "__main__":

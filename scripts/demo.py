@@ -112,7 +112,8 @@ def _summary(recipe, prepared_dir: Path, features_dir: Path, run_dir: Path, expo
     )
     overall = report.get("overall", {})
     methods = {
-        method: {key: result.get(key) for key in ("tau", "tokens_per_s", "speedup", "acceptance_per_position")}
+        method: {key: result.get(key) for key in ("tau", "tokens_per_s", "speedup", "predicted_speedup",
+                                                  "acceptance_per_position")}
         for method, result in overall.items()
     }
     steps = sorted({int(k.split("/")[1][4:]) for k in train_summary if k.startswith("val/step") and k.endswith("/top1")})
@@ -143,10 +144,36 @@ def _summary(recipe, prepared_dir: Path, features_dir: Path, run_dir: Path, expo
                  "dtype": report.get("settings", {}).get("dtype"),
                  "decode_dtype": report.get("settings", {}).get("decode_dtype"),
                  "machine": report.get("settings", {}).get("cpu_capability"),
-                 "best": report.get("best", {}).get("method")},
+                 "best": report.get("best", {}).get("method"), "best_k": _best_k(report),
+                 "cost_curve": report.get("cost_curve")},
         "exports": exports,
         "seconds": {k: round(v, 1) for k, v in timings.items()},
     }
+
+
+def _best_k(report: dict) -> dict:
+    """{draft name: the best k by its cost curve and by measurement, with the predicted and measured speedup of
+    each} from the eval report (empty for a report without a cost curve)."""
+    overall = report.get("overall", {})
+    best = {}
+    for name, ks in (report.get("best_k") or {}).items():
+        best[name] = {}
+        for key in ("predicted", "measured"):
+            r = overall.get(f"{name}@k={ks[key]}", {})
+            best[name][key] = {"k": ks[key], "predicted_speedup": r.get("predicted_speedup"),
+                               "speedup": r.get("speedup")}
+    return best
+
+
+def _best_k_line(name: str, best: dict) -> str:
+    """E.g. "best k by cost curve (mtp): 2 (predicted 1.31×, measured 1.28×); measured best: k = 3 (1.30×)"."""
+    by_curve, by_measurement = best["predicted"], best["measured"]
+    line = (f"best k by cost curve ({name}): {by_curve['k']} "
+            f"(predicted {_fmt(by_curve['predicted_speedup'], '.2f')}×, measured {_fmt(by_curve['speedup'], '.2f')}×)")
+    if by_measurement["k"] != by_curve["k"]:
+        line += (f"; measured best: k = {by_measurement['k']} ({_fmt(by_measurement['speedup'], '.2f')}×, "
+                 f"predicted {_fmt(by_measurement['predicted_speedup'], '.2f')}×)")
+    return line
 
 
 def _fmt(value, spec: str = ".3f") -> str:
@@ -180,14 +207,25 @@ def _markdown(summary: dict) -> str:
     lines.append("| stage times | " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + " |")
     decode = (f"{ev['dtype']}, decode weights {ev['decode_dtype']}" if ev.get("decode_dtype") not in (None, ev["dtype"])
               else ev.get("dtype"))
-    lines += ["", f"Held-out prompts: {ev['num_prompts']} ({ev['prompts']}), ≤ {ev['max_new_tokens']} new tokens, "
-              f"greedy, batch 1, {decode}; {ev.get('machine')}.", "", "| method | τ | acceptance by position | tok/s | speedup vs plain |",
-              "|---|---|---|---|---|"]
+    lines += ["", (f"Held-out prompts: {ev['num_prompts']} ({ev['prompts']}), ≤ {ev['max_new_tokens']} new tokens, "
+                   f"greedy, batch 1, {decode}; {ev.get('machine')}."), "",
+              "| method | τ | acceptance by position | tok/s | speedup vs plain | predicted by the cost curve |",
+              "|---|---|---|---|---|---|"]
     for method, r in ev["methods"].items():
         acceptance = ", ".join(f"{a:.2f}" for a in r.get("acceptance_per_position") or [])
         best = " **(best)**" if method == ev["best"] else ""
+        predicted = f"{r['predicted_speedup']:.2f}×" if r.get("predicted_speedup") is not None else ""
         lines.append(f"| {method}{best} | {_fmt(r['tau'])} | {acceptance} | {_fmt(r['tokens_per_s'], '.1f')} | "
-                     f"{_fmt(r.get('speedup') or (1.0 if method == 'plain' else None), '.2f')}× |")
+                     f"{_fmt(r.get('speedup') or (1.0 if method == 'plain' else None), '.2f')}× | {predicted} |")
+    if ev.get("best_k"):
+        curves = ev.get("cost_curve") or {}
+        first = next(iter(curves.values()), {})
+        verify = ", ".join(f"verify({n}) {ratio:.2f}" for n, ratio in first.get("verify_over_decode", {}).items())
+        lines += ["", f"Cost curve (first prompt, {first.get('prompt_tokens')} tokens): decode "
+                  f"{_fmt(first.get('decode_ms'), '.1f')} ms; {verify} decode steps; draft step per decode: "
+                  + ", ".join(f"{name} {_fmt(c.get('draft_step_over_decode'), '.3f')}" for name, c in curves.items())
+                  + ". Predicted speedup at k = τ(k) / (verify(k+1)/decode + k · draft step/decode).", ""]
+        lines += [f"- {_best_k_line(name, best)}" for name, best in ev["best_k"].items()]
     lines += ["", "| export format | result |", "|---|---|"]
     lines += [f"| {name} | {where} |" for name, where in summary["exports"].items()]
     return "\n".join(lines)

@@ -58,8 +58,25 @@ def test_eval_report_on_mt_bench_prompts(setup):
     assert set(report["per_category"]) == {"writing", "coding"}
     for name in ("report.json", "report.md", "acceptance_by_position.png", "tau_by_category.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0
+    # The cost curve, measured once per draft after the runs on the first prompt, and the speedup it predicts:
+    # τ(k) / (verify(k+1)/decode + k · draft step/decode) from the stored curve; the best k by it and by measurement.
+    assert set(report["cost_curve"]) == {"mtp", "lookup"}
+    for name, curve in report["cost_curve"].items():
+        assert curve["decode_ms"] > 0 and set(curve["verify_over_decode"]) == {"2", "4"}
+        assert curve["draft_step_over_decode"] > 0 and curve["prompt_tokens"] > 0
+        for k in (1, 3):
+            r = overall[f"{name}@k={k}"]
+            expected = r["tau"] / (curve["verify_over_decode"][str(k + 1)] + k * curve["draft_step_over_decode"])
+            assert r["predicted_speedup"] == pytest.approx(expected, rel=1e-3)
+        best = report["best_k"][name]
+        assert best["predicted"] == max((1, 3), key=lambda k: overall[f"{name}@k={k}"]["predicted_speedup"])
+        assert best["measured"] == max((1, 3), key=lambda k: overall[f"{name}@k={k}"]["speedup"])
+    assert "predicted_speedup" not in overall["plain"]
+    assert report["best"]["predicted_speedup"] == overall[report["best"]["method"]]["predicted_speedup"]
     markdown = (out / "report.md").read_text()
     assert "| mtp@k=3 |" in markdown and "## Per category" in markdown
+    assert "predicted (cost curve)" in markdown and "## Cost curve" in markdown
+    assert f"{overall['mtp@k=3']['predicted_speedup']:.2f}× |" in markdown
 
 
 def test_eval_on_heldout_split_and_errors(setup):
@@ -90,10 +107,12 @@ def test_divergence_gap_reads_the_targets_logits_at_the_first_difference(setup):
 def test_report_gives_per_prompt_speedup_quartiles_and_mean_acceptance_length(tmp_path):
     """Four prompts whose method ÷ plain tok/s are 3, 1, 4, 2: median 2.5 and quartiles 1.75 / 3.25 (linear
     interpolation), beside the ratio of the totals' tokens/s. The mean acceptance length is the committed tokens per
-    verify (the prefill's token left out), summed over the calls; τ counts the prefill's forward and token."""
+    verify (the prefill's token left out), summed over the calls; τ counts the prefill's forward and token. With a
+    cost curve (verify of 3 tokens at 1.2 decode steps, a draft step at 0.1), k = 2 predicts τ / (1.2 + 2 · 0.1)."""
     from mtp_train.evaluate.report import build_report, write_markdown
     from mtp_train.evaluate.runner import MethodTotals
     from mtp_train.runtime.spec import SpecStats
+    from mtp_train.runtime.spec.costs import CostCurve
 
     plain, mtp = MethodTotals(), MethodTotals()
     for prompt, (ratio, verifies) in enumerate([(3, 3), (1, 9), (4, 3), (2, 3)]):
@@ -104,12 +123,21 @@ def test_report_gives_per_prompt_speedup_quartiles_and_mean_acceptance_length(tm
     meta = {"name": "x", "target": "t", "draft": "d", "draft_kind": "head (mtp)", "prompts": "p", "num_prompts": 4,
             "skipped": [], "settings": {}}
     report = build_report({"plain": {"all": plain}, "mtp@k=2": {"all": mtp}}, meta)
+    assert "cost_curve" not in report and "predicted_speedup" not in report["overall"]["mtp@k=2"]  # none measured
+    curve = CostCurve(decode_s=0.05, verify_over_decode={3: 1.2}, draft_step_over_decode=0.1, prompt_tokens=30)
+    report = build_report({"plain": {"all": plain}, "mtp@k=2": {"all": mtp}}, meta, {"mtp": curve})
     r = report["overall"]["mtp@k=2"]
+    assert r["predicted_speedup"] == round(r["tau"] / (1.2 + 2 * 0.1), 4) == 1.2987
+    assert report["cost_curve"]["mtp"]["verify_over_decode"] == {"3": 1.2}
+    assert report["best_k"] == {"mtp": {"predicted": 2, "measured": 2}}
     assert (r["speedup_median"], r["speedup_p25"], r["speedup_p75"]) == (2.5, 1.75, 3.25)
     assert r["speedup"] == round((40 / (1 / 3 + 1 + 1 / 4 + 1 / 2)) / 10, 4)  # the ratio of totals: 1.92
     assert r["mean_acceptance_length"] == (4 * 9) / (3 + 9 + 3 + 3) == 2.0
     assert r["tau"] == round(40 / (4 + 18), 4)
     assert list(r)[list(r).index("tau") + 1] == "mean_acceptance_length"  # next to τ
     write_markdown(report, tmp_path / "report.md")
-    row = "| mtp@k=2 | 1.818 | 2.000 | 0.000 | 0.00, 0.00 | 19.2 | 1.92× | 2.50× [1.75, 3.25] |"
-    assert row in (tmp_path / "report.md").read_text()
+    row = "| mtp@k=2 | 1.818 | 2.000 | 0.000 | 0.00, 0.00 | 19.2 | 1.92× | 1.30× | 2.50× [1.75, 3.25] |"
+    markdown = (tmp_path / "report.md").read_text()
+    assert row in markdown
+    best = "2 (predicted 1.30×, measured 1.92×)"  # by the cost curve and by measurement: the only k
+    assert f"| mtp | 50.00 | 1.20 | 0.100 | {best} | {best} |" in markdown

@@ -79,4 +79,5 @@ def run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new
     else:
         method, kind, draft_path = "draft", "draft model (target–draft)", draft_dir
     return evaluate(recipe, target, tokenizer, precision, draft, method, kind, draft_path, prompts_path, limit, ks,
-                    max_new_tokens, out_dir, log_run_dir, show_progress, prompt_lookup)
+                    max_new_tokens, out_dir, log_run_dir, show_progress, prompt_lookup,
+                    cost_curve=recipe.eval.cost_curve)

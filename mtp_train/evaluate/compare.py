@@ -41,7 +41,8 @@ _METHOD = re.compile(r"^(?P<name>.+)@k=(?P<k>\d+)$")
 _VAL_KEY = re.compile(r"^val/step(?P<k>\d+)/(?P<metric>[a-z0-9]+)$")
 _ABSENT = "<absent>"
 BASELINE_METHODS = frozenset({"lookup"})  # model-free proposers `mtp-train eval` runs beside the draft
-EVAL_KEYS = ("tau", "mean_acceptance_length", "alpha", "speedup", "speedup_median", "speedup_p25", "speedup_p75")
+EVAL_KEYS = ("tau", "mean_acceptance_length", "alpha", "speedup", "speedup_median", "speedup_p25", "speedup_p75",
+             "predicted_speedup")  # predicted_speedup: from the eval's cost curve (None in older reports)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,26 +1,31 @@
 """One evaluation: plain decoding, a draft (head or model) and the prompt-lookup baseline at each k, over the same
-prompts with the same settings; report.json, report.md, plots, and the results logged into the training run.
-The draft arrives loaded (`mtp-train eval` loads any head format through `export.load_any_head`)."""
+prompts with the same settings; then each draft's cost curve (decode, verify and draft step times on the same loaded
+models) and the speedup it predicts per k; report.json, report.md, plots, and the results logged into the training
+run. The draft arrives loaded (`mtp-train eval` loads any head format through `export.load_any_head`)."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 
 def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, draft_kind: str, draft_path: str,
              prompts_path, limit, ks, max_new_tokens, out_dir: Path, log_run_dir: Path | None = None,
-             show_progress: bool = True, prompt_lookup: bool = True) -> dict:
+             show_progress: bool = True, prompt_lookup: bool = True, cost_curve: bool = True) -> dict:
     """Plain decoding, `draft` (reported as `draft_method`@k) and, if `prompt_lookup`, the n-gram baseline, at each
-    k. `target` is loaded with `precision`; the draft computes like it."""
+    k. `target` is loaded with `precision`; the draft computes like it. With `cost_curve`, each draft's step costs
+    are measured after the runs on the first prompt (`runtime.spec.costs.measure_cost_curves`, a few seconds) and
+    the report gives the speedup they predict beside the measured one."""
     from mtp_train.evaluate.prompts import load_heldout, load_mt_bench
     from mtp_train.evaluate.report import build_report, write_markdown, write_plots
-    from mtp_train.evaluate.runner import run_methods
+    from mtp_train.evaluate.runner import first_turn_ids, run_methods
     from mtp_train.fileio import write_json_atomic
     from mtp_train.runtime.chat import stop_token_ids
     from mtp_train.runtime.hardware import machine_name
     from mtp_train.runtime.sampler import SamplingParams
     from mtp_train.runtime.spec import PromptLookup
+    from mtp_train.runtime.spec.costs import measure_cost_curves
 
     if prompts_path:
         prompt_set = load_mt_bench(prompts_path, limit)
@@ -30,6 +35,13 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
     drafts = {draft_method: draft, **({"lookup": PromptLookup()} if prompt_lookup else {})}
     totals = run_methods(target, tokenizer, prompt_set.prompts, drafts, ks, max_new_tokens, sampling,
                          stop_token_ids(tokenizer, target.config), show_progress=show_progress)
+    curves = None
+    if cost_curve:  # the same loaded target and drafts, so the same decode path the runs took
+        started = time.perf_counter()
+        curves = measure_cost_curves(target, drafts, first_turn_ids(tokenizer, prompt_set.prompts[0]), ks)
+        if show_progress:
+            print(f"eval: cost curves of {', '.join(curves)} measured in {time.perf_counter() - started:.1f} s",
+                  flush=True)
     meta = {
         "name": recipe.name, "target": str(recipe.target.path), "draft": str(draft_path), "draft_kind": draft_kind,
         "draft_method": draft_method,
@@ -40,7 +52,7 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
                      "max_new_tokens": max_new_tokens, "temperature": recipe.eval.temperature,
                      "num_speculative_tokens": ks},
     }
-    report = build_report(totals, meta)
+    report = build_report(totals, meta, curves)
     out_dir.mkdir(parents=True, exist_ok=True)
     report["out_dir"] = str(out_dir)
     write_json_atomic(out_dir / "report.json", report)
@@ -60,7 +72,8 @@ def _log_to_run(recipe, run_dir: Path, report: dict, plots: list[Path]) -> None:
         last_step = json.loads(lines[-1])["step"] if lines else 0
     row = {"step": last_step}
     for method, r in report["overall"].items():
-        for key in ("tau", "mean_acceptance_length", "alpha", "tokens_per_s", "speedup", "speedup_median"):
+        for key in ("tau", "mean_acceptance_length", "alpha", "tokens_per_s", "speedup", "speedup_median",
+                    "predicted_speedup"):
             if key in r:
                 row[f"eval/{method}/{key}"] = r[key]
     with metrics_path.open("a") as stream:

@@ -7,9 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # runner imports the runtime (torch); `compare` imports this module for its plot helpers
     from mtp_train.evaluate.runner import MethodTotals
+    from mtp_train.runtime.spec.costs import CostCurve
 
 
-def build_report(totals: dict[str, dict[str, MethodTotals]], meta: dict[str, Any]) -> dict[str, Any]:
+def build_report(totals: dict[str, dict[str, MethodTotals]], meta: dict[str, Any],
+                 cost_curves: dict[str, CostCurve] | None = None) -> dict[str, Any]:
+    """The report: `meta`, each method's numbers overall and per category, the draft's best method; with
+    `cost_curves` ({draft name: its measured step costs}), each curve (`cost_curve`), the speedup it predicts for
+    each "<name>@k=<k>" from the τ measured there (`predicted_speedup`), and per draft the best k by the prediction
+    and by the measurement (`best_k`)."""
     plain = totals["plain"]
     categories = sorted(c for c in plain if c != "all")
     report: dict[str, Any] = {**meta, "overall": {}, "per_category": {}}
@@ -20,6 +26,8 @@ def build_report(totals: dict[str, dict[str, MethodTotals]], meta: dict[str, Any
                 report["per_category"].setdefault(category, {})[method] = by_category[category].summary(
                     plain.get(category) if method != "plain" else None
                 )
+    if cost_curves:
+        _add_predictions(report, cost_curves)
     draft_name = meta.get("draft_method")
     speculative = {m: r for m, r in report["overall"].items() if m != "plain" and
                    (draft_name is None or m.startswith(f"{draft_name}@"))}
@@ -27,6 +35,23 @@ def build_report(totals: dict[str, dict[str, MethodTotals]], meta: dict[str, Any
         best = max(speculative, key=lambda m: speculative[m].get("speedup", 0.0))
         report["best"] = {"method": best, **speculative[best]}
     return report
+
+
+def _add_predictions(report: dict[str, Any], cost_curves: dict[str, CostCurve]) -> None:
+    """Into `report`: the curves, `predicted_speedup` on each draft's overall "<name>@k=<k>" numbers and `best_k`."""
+    report["cost_curve"] = {name: curve.as_dict() for name, curve in cost_curves.items()}
+    report["best_k"] = {}
+    for name, curve in cost_curves.items():
+        by_k = {int(method.rsplit("@k=", 1)[1]): r for method, r in report["overall"].items()
+                if method.startswith(f"{name}@k=")}  # k -> that method's overall numbers
+        if not by_k:
+            continue
+        for k, r in by_k.items():
+            r["predicted_speedup"] = round(curve.predicted_speedup(r["tau"], k), 4)
+        report["best_k"][name] = {
+            "predicted": curve.best_k({k: r["tau"] for k, r in by_k.items()}),
+            "measured": max(sorted(by_k), key=lambda k: by_k[k].get("speedup", 0.0)),
+        }
 
 
 def _row(cells: list[Any]) -> str:
@@ -50,6 +75,31 @@ def _match_cell(r: dict[str, Any]) -> str:
     return cell + ")"
 
 
+def _cost_curve_lines(report: dict[str, Any]) -> list[str]:
+    """The "Cost curve" section: each draft's step costs and the best k they predict beside the measured best."""
+    curves = report["cost_curve"]
+    first = next(iter(curves.values()))
+    lines = ["", "## Cost curve", "",
+             (f"Step costs at batch 1 after the first prompt ({first['prompt_tokens']} tokens), measured after the "
+              "runs with the same loaded models. Predicted speedup at k = τ(k) / (verify(k+1)/decode + k · draft "
+              "step/decode)."), ""]
+    ns = list(first["verify_over_decode"])
+    lines.append(_row(["draft", "decode ms", *[f"verify({n})/decode" for n in ns], "draft step/decode",
+                       "best k: predicted", "best k: measured"]))
+    lines.append(_row(["---"] * (len(ns) + 5)))
+    for name, curve in curves.items():
+        best = report.get("best_k", {}).get(name, {})
+        cells = []
+        for key in ("predicted", "measured"):
+            k = best.get(key)
+            r = report["overall"].get(f"{name}@k={k}", {})
+            cells.append("" if k is None else f"{k} (predicted {r.get('predicted_speedup', 0):.2f}×, measured "
+                         f"{r.get('speedup', 0):.2f}×)")
+        lines.append(_row([name, f"{curve['decode_ms']:.2f}", *[f"{curve['verify_over_decode'][n]:.2f}" for n in ns],
+                           f"{curve['draft_step_over_decode']:.3f}", *cells]))
+    return lines
+
+
 def write_markdown(report: dict[str, Any], path: Path) -> None:
     lines = [f"# Speculative decoding evaluation: {report.get('name', '')}", ""]
     lines.append(f"- target: `{report['target']}`")
@@ -61,17 +111,20 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
                  "the logit gap at the first difference shows whether it was a tie. In float32 they are identical.")
     lines += ["", "## Overall", ""]
     lines.append(_row(["method", "τ (tokens/target fwd)", "mean acceptance length (tokens/verify)", "α",
-                       "acceptance by position", "tokens/s", "speedup (totals)",
+                       "acceptance by position", "tokens/s", "speedup (totals)", "predicted (cost curve)",
                        "speedup per prompt: median [p25, p75]", "greedy match"]))
-    lines.append(_row(["---"] * 9))
+    lines.append(_row(["---"] * 10))
     for method, r in report["overall"].items():
         lines.append(_row([
             method, f"{r['tau']:.3f}", _optional(r, "mean_acceptance_length", "{:.3f}"),
             _optional(r, "alpha", "{:.3f}"), ", ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", [])),
             f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}×" if "speedup" in r else "1.00×",
+            _optional(r, "predicted_speedup", "{:.2f}×"),
             f"{r['speedup_median']:.2f}× [{r['speedup_p25']:.2f}, {r['speedup_p75']:.2f}]" if "speedup_median" in r
             else "", _match_cell(r),
         ]))
+    if report.get("cost_curve"):
+        lines += _cost_curve_lines(report)
     if report["per_category"]:
         lines += ["", "## Per category (τ / speedup)", ""]
         methods = list(report["overall"])

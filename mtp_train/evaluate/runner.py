@@ -129,6 +129,11 @@ def _turn_ids(tokenizer, prompt: EvalPrompt, answers: list[str], turn: int) -> l
     return encode_chat(tokenizer, messages)
 
 
+def first_turn_ids(tokenizer, prompt: EvalPrompt) -> list[int]:
+    """The token ids every method is given first for `prompt` (its first turn, or its fixed prompt ids)."""
+    return _turn_ids(tokenizer, prompt, [], 0)
+
+
 def run_methods(
     target,
     tokenizer,
@@ -145,7 +150,7 @@ def run_methods(
     methods = [PLAIN] + [f"{name}@k={k}" for name in drafts for k in ks]
     totals: dict[str, dict[str, MethodTotals]] = {m: {} for m in methods}
     # Warm-up (kernel selection, allocator) outside the timings.
-    warm = _turn_ids(tokenizer, prompts[0], [], 0)[:16]
+    warm = first_turn_ids(tokenizer, prompts[0])[:16]
     generate(target, [warm], 4, sampling, seed=seed)
     for draft in drafts.values():
         speculative_generate(target, draft, [warm], 4, ks[0], sampling, seed=seed)

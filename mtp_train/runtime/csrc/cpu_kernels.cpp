@@ -136,18 +136,19 @@ inline float exp_minus_max(float* v, int64_t n, float max_value) {
 // over SmolLM2's bf16 weights, 31 ms without it).
 //
 // Batch invariance: every dot product accumulates in the same order whatever the row count (kU partial sums along k,
-// rows in groups of at most kGroup sharing each weight load; a group after the first re-reads the weight row from
-// L1), so a verify of k + 1 rows reproduces k + 1 single-row decode steps bit for bit.
+// rows in groups of at most 4 sharing each weight load; a second group re-reads the weight row from L1), so a verify
+// of k + 1 rows reproduces k + 1 single-row decode steps bit for bit.
 //
 // SiluMul: the weight is the gate and up projections interleaved in chunks of 8 columns (`pack_gate_up`): row n holds
 // gate[n, 0:8], up[n, 0:8], gate[n, 8:16], ... (2 K values), and y[r, n] = silu(x . gate[n]) * (x . up[n]).
 // ------------------------------------------------------------------------------------------------------------------
 
-constexpr int kU = 2;  // partial sums per dot product (FMA latency hiding)
-
-// sums[p][r] = x[r] . (part p of the weight row), for RG activation rows.
+// sums[p][r] = x[r] . (part p of the weight row), for RG activation rows. kU partial sums per dot product hide the
+// FMA latency: 2 for a plain row, 1 for a gate/up pair (whose two dot products are independent already), so that
+// P * RG * kU <= 8 accumulators for groups of 4 rows.
 template <typename W, int RG, int P>
 inline void row_dots(const W* row, const float* x, int64_t ldx, int64_t K, float sums[P][RG]) {
+  constexpr int kU = P == 2 ? 1 : 2;
   int64_t k = 0;
 #if MTP_AVX2
   __m256 acc[P][RG][kU];
@@ -201,12 +202,10 @@ template <typename W, int R, bool SiluMul>
 void linear_block(const float* x, int64_t ldx, const W* w, int64_t K, int64_t n_begin, int64_t n_end, float* y,
                   int64_t ldy, const float* bias, const float* residual, int64_t ldr) {
   constexpr int P = SiluMul ? 2 : 1;               // dot products per weight row
-  constexpr int kGroup = SiluMul ? 2 : 4;          // P * kGroup * kU accumulators fit the 16 AVX2 registers
+  constexpr int kGroup = 4;                        // rows sharing each weight load (8 accumulators, see row_dots)
   constexpr int G1 = R < kGroup ? R : kGroup;      // rows of the first group
-  constexpr int G2 = R - G1 < kGroup ? R - G1 : kGroup;
-  constexpr int G3 = R - G1 - G2 < kGroup ? R - G1 - G2 : kGroup;
-  constexpr int G4 = R - G1 - G2 - G3;             // R <= 8 rows: at most 4 groups of 2 (SiluMul) or 2 of 4
-  static_assert(G4 <= kGroup, "at most 8 rows per pass");
+  constexpr int G2 = R - G1;                       // and of the second (R <= 8)
+  static_assert(G2 <= kGroup, "at most 8 rows per pass");
   const int64_t row_len = K * P;
   for (int64_t n = n_begin; n < n_end; ++n) {
     const W* row = w + n * row_len;
@@ -222,18 +221,6 @@ void linear_block(const float* x, int64_t ldx, const W* w, int64_t K, int64_t n_
       row_dots<W, G2, P>(row, x + G1 * ldx, ldx, K, part);
       for (int p = 0; p < P; ++p)
         for (int r = 0; r < G2; ++r) sums[p][G1 + r] = part[p][r];
-    }
-    if constexpr (G3 > 0) {
-      float part[P][G3];
-      row_dots<W, G3, P>(row, x + (G1 + G2) * ldx, ldx, K, part);
-      for (int p = 0; p < P; ++p)
-        for (int r = 0; r < G3; ++r) sums[p][G1 + G2 + r] = part[p][r];
-    }
-    if constexpr (G4 > 0) {
-      float part[P][G4];
-      row_dots<W, G4, P>(row, x + (G1 + G2 + G3) * ldx, ldx, K, part);
-      for (int p = 0; p < P; ++p)
-        for (int r = 0; r < G4; ++r) sums[p][G1 + G2 + G3 + r] = part[p][r];
     }
     _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
       float value;
@@ -437,12 +424,13 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
     }
   });
 
-  // 2. attend, split along the keys (as flash-decoding does): one task per (sequence, KV head, chunk of kKeyChunk
-  //    keys), covering the KV head's query heads and the sequence's new tokens, so each K/V row is read once per chunk
-  //    and a single sequence still spreads over the threads. Each task leaves, per (query head, token), the chunk's
-  //    max score, sum of exponentials and exp-weighted sum of V; step 3 merges the chunks in order. Chunks are aligned
-  //    to absolute positions and every reduction runs over the token's own allowed keys, so a token's output is
-  //    bit-identical whether it is decoded alone or verified with others.
+  // 2. attend, split along the keys (as flash-decoding does): one task per (sequence, chunk of kKeyChunk keys),
+  //    covering every head and the sequence's new tokens. A chunk's K (and V) rows of all KV heads are contiguous
+  //    within a page, so a task streams one block of memory once, and a single sequence still spreads over the
+  //    threads. Each task leaves, per (query head, token), the chunk's max score, sum of exponentials and exp-weighted
+  //    sum of V; step 3 merges the chunks in order. Chunks are aligned to absolute positions and every reduction runs
+  //    over the token's own allowed keys, so a token's output is bit-identical whether it is decoded alone or verified
+  //    with others.
   constexpr int64_t kKeyChunk = 64;
   const int64_t B = qo_indptr.numel() - 1;
   const int32_t* qo = qo_indptr.data_ptr<int32_t>();
@@ -450,6 +438,7 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
   const int32_t* pages = page_indices.data_ptr<int32_t>();
   const int64_t group = H / G;
   const float scale_f = static_cast<float>(scale);
+  const int64_t slot_floats = G * D;  // one cached token: every KV head
   auto first_key = [&](int64_t p) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : int64_t(0); };
 
   // Per sequence: its chunk range and where its tasks and partial results start.
@@ -465,44 +454,64 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
                 kv_end - 1);
     chunk_begin[b] = kv_begin / kKeyChunk;
     chunk_count[b] = kv_end > kv_begin ? (kv_end - 1) / kKeyChunk - chunk_begin[b] + 1 : 0;
-    task_start[b + 1] = task_start[b] + G * chunk_count[b];
-    // per task: (query heads of the group) x (tokens) x (D accumulators + max + sum)
-    partial_start[b + 1] = partial_start[b] + G * chunk_count[b] * group * (qo[b + 1] - qo[b]) * (D + 2);
+    task_start[b + 1] = task_start[b] + chunk_count[b];
+    // per task: (query heads) x (tokens) x (D accumulators + max + sum)
+    partial_start[b + 1] = partial_start[b] + chunk_count[b] * H * (qo[b + 1] - qo[b]) * (D + 2);
   }
   std::vector<float> partials(partial_start[B]);
 
   at::parallel_for(0, task_start[B], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<int64_t> row_lo, row_hi;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
-      const int64_t local = task - task_start[b], g = local / chunk_count[b], c = local % chunk_count[b];
-      const int64_t t0 = qo[b], n_q = qo[b + 1] - qo[b], rows = group * n_q;
+      const int64_t c = task - task_start[b];
+      const int64_t t0 = qo[b], n_q = qo[b + 1] - qo[b], rows = H * n_q;
       const int64_t key_lo = (chunk_begin[b] + c) * kKeyChunk, key_hi = key_lo + kKeyChunk;
-      float* part = partials.data() + partial_start[b] + local * rows * (D + 2);
-      scores.assign(rows * kKeyChunk, 0.f);
-      // the keys any of the tokens may see in this chunk
+      float* part = partials.data() + partial_start[b] + c * rows * (D + 2);
+      // the keys any of the tokens may see in this chunk, and each token's own: [row_lo, row_hi) from key_lo
+      row_lo.assign(n_q, 0);
+      row_hi.assign(n_q, 0);
       int64_t lo_all = key_hi, hi_all = key_lo;
       for (int64_t r = 0; r < n_q; ++r) {
-        lo_all = std::min(lo_all, std::max(key_lo, first_key(pos[t0 + r])));
-        hi_all = std::max(hi_all, std::min(key_hi, pos[t0 + r] + 1));
-      }
-      for (int64_t p = lo_all; p < hi_all; ++p) {
-        const int64_t slot = static_cast<int64_t>(pages[pind[b] + p / page_size]) * page_size + p % page_size;
-        const float* k_row = kc + (slot * G + g) * D;
-        for (int64_t j = 0; j < group; ++j)
-          for (int64_t r = 0; r < n_q; ++r)
-            scores[(j * n_q + r) * kKeyChunk + (p - key_lo)] =
-                scale_f * dot(qkv_ptr + (t0 + r) * width + (g * group + j) * D, k_row, D);
-      }
-      std::vector<int64_t> row_lo(n_q), row_hi(n_q);
-      for (int64_t r = 0; r < n_q; ++r) {
         row_lo[r] = std::max(key_lo, first_key(pos[t0 + r])) - key_lo;
-        row_hi[r] = std::max(row_lo[r], std::min(key_hi, pos[t0 + r] + 1) - key_lo);  // allowed: [row_lo, row_hi)
+        row_hi[r] = std::max(row_lo[r], std::min(key_hi, pos[t0 + r] + 1) - key_lo);
+        if (row_hi[r] > row_lo[r]) {
+          lo_all = std::min(lo_all, key_lo + row_lo[r]);
+          hi_all = std::max(hi_all, key_lo + row_hi[r]);
+        }
       }
-      for (int64_t j = 0; j < group; ++j)
+      auto slot_of = [&](int64_t p) {
+        return static_cast<int64_t>(pages[pind[b] + p / page_size]) * page_size + p % page_size;
+      };
+#if MTP_AVX2
+      // The chunk's K and V rows are cold (the layer's weights streamed through the caches since they were
+      // written): ask for all of them up front, page run by page run, so the misses overlap.
+      for (int64_t p = lo_all; p < hi_all;) {
+        const int64_t run = std::min(hi_all - p, page_size - p % page_size);  // slots left in this page
+        const char* k_block = reinterpret_cast<const char*>(kc + slot_of(p) * slot_floats);
+        const char* v_block = reinterpret_cast<const char*>(vc + slot_of(p) * slot_floats);
+        for (int64_t byte = 0; byte < run * slot_floats * int64_t(sizeof(float)); byte += 64) {
+          _mm_prefetch(k_block + byte, _MM_HINT_T1);
+          _mm_prefetch(v_block + byte, _MM_HINT_T1);
+        }
+        p += run;
+      }
+#endif
+      scores.assign(rows * kKeyChunk, 0.f);
+      for (int64_t p = lo_all; p < hi_all; ++p) {
+        const float* k_slot = kc + slot_of(p) * slot_floats;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* k_row = k_slot + (h / group) * D;
+          for (int64_t r = 0; r < n_q; ++r)
+            scores[(h * n_q + r) * kKeyChunk + (p - key_lo)] =
+                scale_f * dot(qkv_ptr + (t0 + r) * width + h * D, k_row, D);
+        }
+      }
+      for (int64_t h = 0; h < H; ++h)
         for (int64_t r = 0; r < n_q; ++r) {
-          float* row = scores.data() + (j * n_q + r) * kKeyChunk;
-          float* out = part + (j * n_q + r) * (D + 2);
+          float* row = scores.data() + (h * n_q + r) * kKeyChunk;
+          float* out = part + (h * n_q + r) * (D + 2);
           float max_value = -std::numeric_limits<float>::infinity();
           for (int64_t i = row_lo[r]; i < row_hi[r]; ++i) max_value = std::max(max_value, row[i]);
           out[D] = max_value;
@@ -510,12 +519,12 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
           std::memset(out, 0, D * sizeof(float));
         }
       for (int64_t p = lo_all; p < hi_all; ++p) {
-        const int64_t slot = static_cast<int64_t>(pages[pind[b] + p / page_size]) * page_size + p % page_size;
-        const float* v_row = vc + (slot * G + g) * D;
-        for (int64_t j = 0; j < group; ++j)
+        const float* v_slot = vc + slot_of(p) * slot_floats;
+        for (int64_t h = 0; h < H; ++h)
           for (int64_t r = 0; r < n_q; ++r)
             if (p - key_lo >= row_lo[r] && p - key_lo < row_hi[r])
-              axpy(scores[(j * n_q + r) * kKeyChunk + (p - key_lo)], v_row, part + (j * n_q + r) * (D + 2), D);
+              axpy(scores[(h * n_q + r) * kKeyChunk + (p - key_lo)], v_slot + (h / group) * D,
+                   part + (h * n_q + r) * (D + 2), D);
       }
     }
   });
@@ -525,21 +534,19 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
   float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, T * H, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / H, h = i % H, g = h / group, j = h % group;
+      const int64_t t = i / H, h = i % H;
       const int64_t b = std::upper_bound(qo, qo + B + 1, static_cast<int32_t>(t)) - qo - 1;
-      const int64_t n_q = qo[b + 1] - qo[b], r = t - qo[b], rows = group * n_q;
+      const int64_t n_q = qo[b + 1] - qo[b], r = t - qo[b], rows = H * n_q;
       float max_value = -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < chunk_count[b]; ++c) {
-        const float* part = partials.data() + partial_start[b] + (g * chunk_count[b] + c) * rows * (D + 2) +
-                            (j * n_q + r) * (D + 2);
+        const float* part = partials.data() + partial_start[b] + c * rows * (D + 2) + (h * n_q + r) * (D + 2);
         if (part[D + 1] > 0.f) max_value = std::max(max_value, part[D]);
       }
       float* o = out_ptr + t * H * D + h * D;
       std::memset(o, 0, D * sizeof(float));
       float total = 0.f;
       for (int64_t c = 0; c < chunk_count[b]; ++c) {
-        const float* part = partials.data() + partial_start[b] + (g * chunk_count[b] + c) * rows * (D + 2) +
-                            (j * n_q + r) * (D + 2);
+        const float* part = partials.data() + partial_start[b] + c * rows * (D + 2) + (h * n_q + r) * (D + 2);
         if (part[D + 1] <= 0.f) continue;
         const float weight = std::exp(part[D] - max_value);
         total += weight * part[D + 1];

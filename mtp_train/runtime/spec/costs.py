@@ -1,20 +1,38 @@
 """Per-step costs of speculative decoding, as `eval` and the bench scripts measure them: one target forward of n tokens
 (n = 1 is a decode step, n = k + 1 a verify) and one draft step of a head (its layer over its KV cache plus the
-vocabulary projection), each after a prefill of the same prompt, at batch 1. Times are the best of 3 rounds: the
-machine is shared."""
+vocabulary projection), of a draft model (one decode step) or of prompt lookup (one n-gram search), each after a
+prefill of the same prompt, at batch 1. Times are the best of 3 rounds: the machine is shared.
+
+`CostCurve` holds them relative to one decode step, and predicts the speedup of k speculative tokens from the
+acceptance measured at that k: τ(k) / (verify(k+1)/decode + k · draft step/decode) (τ: tokens per target forward;
+plain decoding makes one token per decode step)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
+from mtp_train.runtime.model import CausalLM
+from mtp_train.runtime.spec.prompt_lookup import (
+    PromptLookup,
+    PromptLookupProposer,
+    PromptLookupState,
+)
+from mtp_train.runtime.spec.proposer import Request
 
 
 def _pages(prompt_ids: list[int], extra_tokens: int, page_size: int = 16) -> int:
     return -(-(len(prompt_ids) + extra_tokens) // page_size) + 1
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; CPU calls return when done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -39,6 +57,7 @@ def target_step_seconds(target, prompt_ids: list[int], n_tokens: list[int], repe
 
     def step(n: int) -> None:
         target(torch.tensor(prompt_ids[:n]), BatchInfo.for_sequences([seq], [n], allocator, advance=False), cache)
+        _synchronize(target.device)
 
     return {n: best_seconds(lambda n=n: step(n), repeats) for n in n_tokens}
 
@@ -58,5 +77,73 @@ def head_step_seconds(target, head, prompt_ids: list[int], repeats: int = 50) ->
     def step() -> None:
         batch = BatchInfo.for_sequences([head_seq], [1], allocator, advance=False)
         head.logits(head(token, last_hidden, batch, head_cache)).argmax(-1)
+        _synchronize(target.device)
 
     return best_seconds(step, repeats)
+
+
+def lookup_step_seconds(target, lookup: PromptLookup, prompt_ids: list[int], repeats: int = 50) -> float:
+    """Seconds of one prompt-lookup draft step over `prompt_ids`: the n-gram search and the one-hot row the proposer
+    builds, through the proposer's own code."""
+    proposer = PromptLookupProposer(target, lookup, allocator=None)
+    request = Request(0, list(prompt_ids), [], PromptLookupState())
+    return best_seconds(lambda: proposer.catch_up([request]), repeats)
+
+
+def draft_step_seconds(target, draft, prompt_ids: list[int], repeats: int = 20) -> float:
+    """Seconds of one draft step of any draft `speculative_generate` takes: prompt lookup, a draft model (one decode
+    step of it) or a head."""
+    if isinstance(draft, PromptLookup):
+        return lookup_step_seconds(target, draft, prompt_ids, repeats)
+    if isinstance(draft, CausalLM):
+        return target_step_seconds(draft, prompt_ids, [1], repeats)[1]
+    return head_step_seconds(target, draft, prompt_ids, repeats)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """What speculative decoding costs relative to plain decoding, for one target and one draft: the step times the
+    speedup of each k follows from, given the acceptance measured at that k."""
+
+    decode_s: float  # one target decode step (1 new token) after the prompt
+    verify_over_decode: dict[int, float]  # n verified tokens (n = k + 1) -> one target forward over them ÷ decode_s
+    draft_step_over_decode: float  # one draft step ÷ decode_s
+    prompt_tokens: int  # the prompt the steps were measured after
+    measure_s: float = 0.0  # wall time of the measurement (the target's steps, which drafts share, included)
+
+    def predicted_speedup(self, tau: float, k: int) -> float:
+        """τ(k) / (verify(k+1)/decode + k · draft step/decode): tokens per target forward over the cost of one
+        speculative step (one verify of k + 1 tokens and k draft steps) counted in decode steps."""
+        return tau / (self.verify_over_decode[k + 1] + k * self.draft_step_over_decode)
+
+    def best_k(self, tau_by_k: dict[int, float]) -> int:
+        """The k with the largest predicted speedup, from the τ measured at each k (the smaller k on a tie)."""
+        return max(sorted(tau_by_k), key=lambda k: self.predicted_speedup(tau_by_k[k], k))
+
+    def as_dict(self) -> dict:
+        """The report's form (JSON keys are strings: verify_over_decode is keyed by n = k + 1)."""
+        return {
+            "decode_ms": round(self.decode_s * 1e3, 4),
+            "verify_over_decode": {str(n): round(ratio, 5) for n, ratio in sorted(self.verify_over_decode.items())},
+            "draft_step_over_decode": round(self.draft_step_over_decode, 5),
+            "prompt_tokens": self.prompt_tokens,
+            "measure_s": round(self.measure_s, 2),
+        }
+
+
+def measure_cost_curves(target, drafts: dict[str, object], prompt_ids: list[int], ks: list[int], repeats: int = 5,
+                        draft_repeats: int = 20) -> dict[str, CostCurve]:
+    """{draft name: its CostCurve}: the target's decode and verify(k + 1) steps measured once (`repeats` calls per
+    round), each draft's step (`draft_repeats` per round: draft steps are cheap), all after `prompt_ids`."""
+    started = time.perf_counter()
+    target_seconds = target_step_seconds(target, prompt_ids, sorted({1, *(k + 1 for k in ks)}), repeats)
+    target_s = time.perf_counter() - started
+    decode = target_seconds[1]
+    verify = {k + 1: target_seconds[k + 1] / decode for k in ks}
+    curves = {}
+    for name, draft in drafts.items():
+        started = time.perf_counter()
+        draft_step = draft_step_seconds(target, draft, prompt_ids, draft_repeats) / decode
+        curves[name] = CostCurve(decode, verify, draft_step, len(prompt_ids),
+                                 measure_s=target_s + time.perf_counter() - started)
+    return curves
