@@ -106,9 +106,11 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     lines.append(f"- draft: `{report['draft']}` ({report['draft_kind']})")
     lines.append(f"- prompts: {report['prompts']} ({report['num_prompts']} used, {len(report['skipped'])} skipped)")
     lines.append(f"- settings: {report['settings']}")
-    lines.append("- greedy match: speculative output identical to plain greedy decoding. In bfloat16 a verify forward "
-                 "(k+1 rows) and a decode step (1 row) round differently, so a near-tie can flip and the texts part; "
-                 "the logit gap at the first difference shows whether it was a tie. In float32 they are identical.")
+    lines.append("- greedy match: speculative output identical to plain greedy decoding. The CPU decode kernels compute "
+                 "every row in the same order whatever the row count, so there a verify forward (k+1 rows) gives the "
+                 "logits of k+1 decode steps bit for bit; on torch's bf16 ops (or a GPU) the two can round "
+                 "differently, a near-tie can flip and the texts part: the logit gap at the first difference shows "
+                 "whether it was a tie.")
     lines += ["", "## Overall", ""]
     lines.append(_row(["method", "τ (tokens/target fwd)", "mean acceptance length (tokens/verify)", "α",
                        "acceptance by position", "tokens/s", "speedup (totals)", "predicted (cost curve)",
