@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
-PROBE_FORMAT_VERSION = 2  # 2: timed through the CPU decode kernels where built
+PROBE_FORMAT_VERSION = 3  # 3: bf16 timed through the CPU decode kernels where built
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,9 @@ class Precision:
 def time_decode_matmuls(rows_list=PROBE_ROWS, budget_s: float = 0.08) -> dict[int, dict[str, float]]:
     """{rows: {"float32": s, "bfloat16": s}}: one pass of `rows` fp32 activations through a set of 576×1536 weights
     totalling 170 MB in fp32 (larger than any last-level cache, so the weights stream from memory as in a decode step),
-    with fp32 weights and with bf16 weights, each through the faster of what the decode path has: the CPU decode
-    kernel (fp32 accumulation) when it is built, and torch's `F.linear` (bf16: activations cast in, result back)."""
+    with fp32 weights and with bf16 weights, each as the decode path would run it: fp32 through torch's `F.linear`
+    (what forwards above `decode_max_rows` rows keep), bf16 through the CPU decode kernel (fp32 activations and
+    accumulation) when it is built, else through `F.linear` (activations cast to bf16, the result back)."""
     from mtp_train.runtime.kernels import cpu_kernels
 
     ops = cpu_kernels()
@@ -100,10 +101,10 @@ def time_decode_matmuls(rows_list=PROBE_ROWS, budget_s: float = 0.08) -> dict[in
     for rows in rows_list:
         x = torch.randn(rows, 576, generator=generator)
         fp32 = best_seconds(lambda: [F.linear(x, w) for w in weights32], budget_s)
-        bf16 = best_seconds(lambda: [F.linear(x.to(torch.bfloat16), w).float() for w in weights16], budget_s)
         if ops is not None:
-            fp32 = min(fp32, best_seconds(lambda: [ops.linear(x, w, None, None) for w in weights32], budget_s))
-            bf16 = min(bf16, best_seconds(lambda: [ops.linear(x, w, None, None) for w in weights16], budget_s))
+            bf16 = best_seconds(lambda: [ops.linear(x, w, None, None) for w in weights16], budget_s)
+        else:
+            bf16 = best_seconds(lambda: [F.linear(x.to(torch.bfloat16), w).float() for w in weights16], budget_s)
         result[rows] = {"float32": fp32, "bfloat16": bf16}
     return result
 
