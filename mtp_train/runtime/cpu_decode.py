@@ -102,7 +102,8 @@ class DecoderLayerKernel:
     @staticmethod
     def supports(layer: DecoderLayer) -> bool:
         """The layers the kernels cover: a SiLU MLP (every Llama-family model), hidden size a multiple of 8."""
-        return layer.mlp.act is F.silu and layer.mlp.gate_proj.in_features % 8 == 0 and layer.self_attn.head_dim % 2 == 0
+        mlp, attn = layer.mlp, layer.self_attn
+        return mlp.act is F.silu and mlp.gate_proj.in_features % 8 == 0 and attn.head_dim % 2 == 0
 
     def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
         ops = self.ops
@@ -115,7 +116,8 @@ class DecoderLayerKernel:
                                    self.num_kv_heads, self.scale, self.window, self.q_norm, self.k_norm, self.qk_eps)
         x = ops.linear(attn, self.o, self.o_bias, x)  # + residual
         h = ops.rms_norm(x, *self.post_norm)
-        return ops.linear(ops.linear_silu_mul(h, self.gate_up, self.gate_up_bias), self.down, self.down_bias, x)  # + residual
+        mlp_hidden = ops.linear_silu_mul(h, self.gate_up, self.gate_up_bias)  # [T, intermediate]
+        return ops.linear(mlp_hidden, self.down, self.down_bias, x)  # + residual
 
 
 def apply_decode_path(model: nn.Module, dtype: torch.dtype, max_rows: int) -> nn.Module:
