@@ -24,9 +24,6 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MTP_AVX2 1
-#ifndef MTP_PREFETCH
-#define MTP_PREFETCH 16384
-#endif
 #else
 #define MTP_AVX2 0
 #endif
@@ -143,6 +140,8 @@ inline float exp_minus_max(float* v, int64_t n, float max_value) {
 // gate[n, 0:8], up[n, 0:8], gate[n, 8:16], ... (2 K values), and y[r, n] = silu(x . gate[n]) * (x . up[n]).
 // ------------------------------------------------------------------------------------------------------------------
 
+constexpr int64_t kPrefetchBytes = 16384;  // how far ahead of the weight stream to prefetch (1-4 KB: no effect)
+
 // sums[p][r] = x[r] . (part p of the weight row), for RG activation rows. kU partial sums per dot product hide the
 // FMA latency: 2 for a plain row, 1 for a gate/up pair (whose two dot products are independent already), so that
 // P * RG * kU <= 8 accumulators for groups of 4 rows.
@@ -156,7 +155,7 @@ inline void row_dots(const W* row, const float* x, int64_t ldx, int64_t K, float
     _Pragma("GCC unroll 16") for (int r = 0; r < RG; ++r)
       _Pragma("GCC unroll 16") for (int u = 0; u < kU; ++u) acc[p][r][u] = _mm256_setzero_ps();
   for (; k + 8 * kU <= K; k += 8 * kU) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + P * k) + MTP_PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + P * k) + kPrefetchBytes, _MM_HINT_T0);
     _Pragma("GCC unroll 16") for (int u = 0; u < kU; ++u) {
       __m256 wv[P];
       _Pragma("GCC unroll 16") for (int p = 0; p < P; ++p) wv[p] = load8(row + P * (k + 8 * u) + 8 * p);
@@ -559,8 +558,6 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
   return out;
 }
 
-bool has_avx2() { return MTP_AVX2 != 0; }
-
 }  // namespace
 
 TORCH_LIBRARY(mtp_cpu, m) {
@@ -572,7 +569,6 @@ TORCH_LIBRARY(mtp_cpu, m) {
       "Tensor slot_mapping, "
       "Tensor positions, Tensor qo_indptr, Tensor page_indptr, Tensor page_indices, int num_heads, int num_kv_heads, "
       "float scale, int window, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=1e-6) -> Tensor");
-  m.def("vectorized() -> bool", &has_avx2);
 }
 
 TORCH_LIBRARY_IMPL(mtp_cpu, CPU, m) {
