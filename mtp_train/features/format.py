@@ -3,8 +3,10 @@
 Layout of `<precompute.output_dir>/`:
 
 - `manifest.json` — written last, when every rank finished: format version, fingerprints (`target`, `tokenizer`,
-  `dataset`, `recipe`), storage dtype, hidden size, aux layer ids, world size, per split the sample count and the
-  list of shards (`name`, `rank`, `index`, `num_samples`, `num_tokens`, `nbytes`, `sha256`);
+  `dataset`, `recipe`), storage dtype, hidden size, aux layer ids, world size, `tokenizer_source` (the target path
+  the data was prepared with) and `chat_template` (the recipe's `data.chat_template`, part of the tokenizer hash),
+  per split the sample and token counts and the list of shards (`name`, `rank`, `index`, `num_samples`,
+  `num_tokens`, `nbytes`, `sha256`);
 - `progress-r{rank}.json` — each rank's finished shards so far (what a resumed run skips);
 - `{split}/shard-r{rank}-{k:05d}.safetensors` — tensors over the concatenated samples of the shard:
   `offsets` int64 [n+1] (sample s owns rows offsets[s]:offsets[s+1]), `sample_index` int64 [n] (row of the
@@ -30,6 +32,13 @@ from mtp_train.fileio import atomic_write_bytes, file_sha256, read_json_object
 FORMAT_VERSION = 1
 MANIFEST_FILENAME = "manifest.json"
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e4m3": torch.float8_e4m3fn}
+# The same dtypes as a safetensors header names them (what a shard's header says without reading its tensors).
+STORAGE_HEADER_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float8_e4m3": "F8_E4M3"}
+# Keys every manifest has (what verify-features and the reader index without a default).
+MANIFEST_KEYS = ("format_version", "fingerprints", "storage_dtype", "hidden_size", "aux_layers", "splits")
+FINGERPRINT_KEYS = ("target", "tokenizer", "dataset", "recipe")
+SPLIT_KEYS = ("num_samples", "num_tokens", "shards")
+SHARD_RECORD_KEYS = ("name", "num_samples", "num_tokens", "nbytes", "sha256")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -106,7 +115,47 @@ def load_manifest(root: Path) -> dict[str, Any]:
     manifest = read_json_object(path)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise UserError(f"{path}: format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
+    missing = missing_manifest_keys(manifest)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise UserError(
+            f"{path}: missing or malformed key(s) {shown} (the file was edited or damaged); rebuild the cache with "
+            "`mtp-train precompute --force`"
+        )
+    if manifest["storage_dtype"] not in STORAGE_DTYPES:
+        raise UserError(f"{path}: storage_dtype {manifest['storage_dtype']!r} is not one of {', '.join(STORAGE_DTYPES)}")
     return manifest
+
+
+def missing_manifest_keys(manifest: dict[str, Any]) -> list[str]:
+    """Dotted names of the keys a manifest lacks (or holds with the wrong JSON type), e.g. `fingerprints`,
+    `splits.train.shards[3].sha256`; empty for a whole manifest."""
+    missing = [key for key in MANIFEST_KEYS if key not in manifest]
+    fingerprints = manifest.get("fingerprints")
+    if "fingerprints" in manifest:
+        if not isinstance(fingerprints, dict):
+            missing.append("fingerprints (not an object)")
+        else:
+            missing.extend(f"fingerprints.{key}" for key in FINGERPRINT_KEYS if key not in fingerprints)
+    splits = manifest.get("splits")
+    if "splits" in manifest and not isinstance(splits, dict):
+        return [*missing, "splits (not an object)"]
+    for split, info in (splits or {}).items():
+        if not isinstance(info, dict):
+            missing.append(f"splits.{split} (not an object)")
+            continue
+        missing.extend(f"splits.{split}.{key}" for key in SPLIT_KEYS if key not in info)
+        shards = info.get("shards", [])
+        if not isinstance(shards, list):
+            missing.append(f"splits.{split}.shards (not a list)")
+            continue
+        for k, record in enumerate(shards):
+            where = f"splits.{split}.shards[{k}]"
+            if not isinstance(record, dict):
+                missing.append(f"{where} (not an object)")
+            else:
+                missing.extend(f"{where}.{key}" for key in SHARD_RECORD_KEYS if key not in record)
+    return missing
 
 
 def shard_sha256_ok(root: Path, record: dict[str, Any]) -> bool:

@@ -88,6 +88,8 @@ def _header(recipe, prepared, target_fp: str, world_size: int, hidden_size: int)
             "recipe": recipe_hash(recipe, ["precompute"])[:16],
         },
         "target_path": str(recipe.target.path),
+        "tokenizer_source": prepared.fingerprint.get("target_path"),
+        "chat_template": recipe.data.chat_template,
         "target_dtype": recipe.target.dtype,
         "storage_dtype": recipe.precompute.storage_dtype,
         "hidden_size": hidden_size,
@@ -95,6 +97,20 @@ def _header(recipe, prepared, target_fp: str, world_size: int, hidden_size: int)
         "target_argmax": recipe.precompute.target_argmax,
         "world_size": world_size,
     }
+
+
+def _check_tokenizer(recipe, prepared) -> None:
+    """Refuse a target whose tokenizer is not the one that tokenized the prepared data (same hash as `prepare`)."""
+    from mtp_train.fingerprint import tokenizer_fingerprint, tokenizer_mismatch
+
+    data_tokenizer = prepared.fingerprint.get("tokenizer_hash")
+    if data_tokenizer is None:
+        return
+    target_tokenizer = tokenizer_fingerprint(recipe.target.path, recipe.data.chat_template)
+    if target_tokenizer != data_tokenizer:
+        where = Path(recipe.prepared_dir) / "fingerprint.json"
+        raise UserError(tokenizer_mismatch(where, data_tokenizer, prepared.fingerprint.get("target_path"),
+                                           recipe.target.path, target_tokenizer))
 
 
 def _compare_headers(existing: dict[str, Any], current: dict[str, Any], where: Path) -> None:
@@ -182,6 +198,7 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     prepared_dir = recipe.prepared_dir
     prepared = load_prepared(prepared_dir)
     splits = {"train": prepared.train, "eval": prepared.eval}
+    _check_tokenizer(recipe, prepared)  # before --force deletes anything and before any forward
 
     if force and env.rank == 0 and root.exists():
         shutil.rmtree(root)

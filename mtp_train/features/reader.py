@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.features.format import decode_hidden, load_manifest, pack_batches
+from mtp_train.features.checks import is_shard_name, shard_header, shard_problems, split_problems
+from mtp_train.features.format import MANIFEST_FILENAME, decode_hidden, load_manifest, pack_batches
 from mtp_train.fileio import file_sha256
+from mtp_train.fingerprint import tokenizer_fingerprint, tokenizer_mismatch
 
 
 @dataclass
@@ -47,18 +49,35 @@ class FeatureReader:
         dtype: torch.dtype = torch.float32,
         expected_fingerprints: dict[str, str] | None = None,
         verify_hashes: bool = True,
+        target_dir: str | Path | None = None,
+        chat_template: str | Path | None = None,
     ):
+        """`expected_fingerprints`: manifest fingerprints the cache must have (e.g. {"target": ...}). `target_dir`
+        (optional): the target this run uses; its tokenizer (with `chat_template`, the recipe's
+        `data.chat_template`) must be the one that tokenized the data. Start-up checks the manifest against the
+        split's shards (the checks verify-features runs, features/checks.py) and every shard's sha256."""
         self.root = Path(root)
-        self.manifest = load_manifest(self.root)
+        self.manifest = load_manifest(self.root)  # names missing keys
+        manifest_path = self.root / MANIFEST_FILENAME
         if split not in self.manifest["splits"]:
             raise UserError(f"{self.root}: no split {split!r} (has {', '.join(self.manifest['splits'])})")
+        data_tokenizer = self.manifest["fingerprints"]["tokenizer"]
         for key, value in (expected_fingerprints or {}).items():
             have = self.manifest["fingerprints"].get(key)
-            if value is not None and have != value:
-                raise UserError(
-                    f"{self.root / 'manifest.json'}: fingerprint '{key}' is {have}, expected {value} "
-                    "(features were computed for another target/data; re-run precompute for this recipe)"
-                )
+            if value is None or have == value:
+                continue
+            if key == "tokenizer" and have is not None:
+                raise UserError(tokenizer_mismatch(manifest_path, have, self.manifest.get("tokenizer_source"),
+                                                   target_dir or "of this run", value))
+            raise UserError(
+                f"{manifest_path}: fingerprint '{key}' is {have}, expected {value} "
+                "(features were computed for another target/data; re-run precompute for this recipe)"
+            )
+        if target_dir is not None and data_tokenizer is not None:
+            target_tokenizer = tokenizer_fingerprint(target_dir, chat_template)
+            if target_tokenizer != data_tokenizer:
+                raise UserError(tokenizer_mismatch(manifest_path, data_tokenizer,
+                                                   self.manifest.get("tokenizer_source"), target_dir, target_tokenizer))
         self.split, self.rank, self.world_size = split, rank, world_size
         self.micro_batch_tokens, self.seed, self.dtype = micro_batch_tokens, seed, dtype
         self.verify_hashes = verify_hashes
@@ -66,15 +85,35 @@ class FeatureReader:
         self._handles: dict[int, object] = {}
         self._offsets: list[list[int]] = []
         self.samples: list[tuple[int, int, int]] = []  # (shard, row in shard, length), ordered by sample_index
+        problems = split_problems(self.root, self.manifest, split)
         unordered = []
         for shard_id, record in enumerate(self.records):
+            if not is_shard_name(split, record["name"]):
+                continue  # named by split_problems; never opened
             handle = self._open(shard_id)
+            if header_problems := shard_problems(record, shard_header(handle), self.manifest):
+                problems.extend(header_problems)
+                continue
             offsets = handle.get_tensor("offsets").tolist()
             sample_index = handle.get_tensor("sample_index").tolist()
             self._offsets.append(offsets)
             for row, index in enumerate(sample_index):
                 unordered.append((index, shard_id, row, offsets[row + 1] - offsets[row]))
         unordered.sort()
+        indices = [index for index, *_ in unordered]
+        num_samples = self.manifest["splits"][split]["num_samples"]
+        if not problems and indices != list(range(num_samples)):
+            repeated = sorted({i for i, j in zip(indices, indices[1:]) if i == j})
+            absent = sorted(set(range(num_samples)) - set(indices))
+            problems.append(f"{split}: the shards do not hold samples 0..{num_samples - 1} once each (repeated: "
+                            f"{repeated[:10]}, absent: {absent[:10]})")
+        if problems:
+            shown = "\n  ".join(problems[:5]) + (f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise UserError(
+                f"{manifest_path}: the manifest does not match the shards of split {split!r}; refusing to train on "
+                f"it:\n  {shown}\nRun `mtp-train verify-features {self.root}` for the full report, and rebuild the "
+                "cache with `mtp-train precompute --force`."
+            )
         self.samples = [(shard, row, length) for _, shard, row, length in unordered]
         if not self.samples:
             raise UserError(f"{self.root}: split {split!r} has no samples")

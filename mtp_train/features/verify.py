@@ -1,8 +1,10 @@
 """`mtp-train verify-features DIR [--target DIR]`: prove a feature cache is whole and belongs to a target.
 
-Checks every shard's sha256 against the manifest, its tensors' names/shapes/dtypes, NaN/Inf in the hidden states,
-that every sample of every split appears exactly once across all ranks' shards, and (with `--target`) the target
-fingerprint. Prints a summary; exit code 1 on any problem, each problem naming the shard and sample.
+Checks the manifest against the shard files (features/checks.py, the checks the training reader runs too: no
+dropped record, counts, hidden size, storage dtype), every shard's sha256, its tensors' names/shapes/dtypes, NaN/Inf
+in the hidden states, that every sample of every split appears exactly once across all ranks' shards, (with
+`--target`) the target fingerprint, and that the target's tokenizer (`--target`, else the cache's own target when
+its directory exists) is the one that tokenized the data. Prints a summary; exit code 1 on any problem, each problem naming the shard and sample.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ from typing import Any
 
 import torch
 
-from mtp_train.features.format import STORAGE_DTYPES, decode_hidden, load_manifest
+from mtp_train.features.checks import is_shard_name, shard_header, shard_problems, split_problems
+from mtp_train.features.format import MANIFEST_FILENAME, decode_hidden, load_manifest
+from mtp_train.errors import UserError
 from mtp_train.fileio import file_sha256
+from mtp_train.fingerprint import tokenizer_fingerprint, tokenizer_mismatch
 
 
 @dataclass
@@ -31,7 +36,8 @@ class VerifyReport:
 
 
 def _check_shard(root: Path, record: dict[str, Any], manifest: dict[str, Any], report: VerifyReport) -> list[int]:
-    """Checks one shard; returns the sample indices it holds (empty if unreadable)."""
+    """Checks one shard (sha256, its header against the manifest (features/checks.py), offsets, NaN/Inf); returns
+    the sample indices it holds (empty if unreadable)."""
     from safetensors import safe_open
 
     name = record["name"]
@@ -47,37 +53,19 @@ def _check_shard(root: Path, record: dict[str, Any], manifest: dict[str, Any], r
         return []
     try:
         with safe_open(str(path), framework="pt") as f:
+            header = shard_header(f)
+            if header_problems := shard_problems(record, header, manifest):
+                report.problems.extend(header_problems)
+                return f.get_tensor("sample_index").tolist() if "sample_index" in header else []
             tensors = {key: f.get_tensor(key) for key in f.keys()}
     except Exception as err:
         report.problems.append(f"{name}: unreadable safetensors ({err})")
         return []
-    required = {"offsets", "sample_index", "input_ids", "loss_mask", "hidden"}
-    if missing := required - tensors.keys():
-        report.problems.append(f"{name}: missing tensor(s) {sorted(missing)}")
-        return []
     offsets, sample_index = tensors["offsets"], tensors["sample_index"]
-    num_tokens = int(offsets[-1])
+    num_tokens = int(offsets[-1]) if len(offsets) else -1
     hidden = tensors["hidden"]
-    expected_dtype = STORAGE_DTYPES[manifest["storage_dtype"]]
-    shape_problems = []
-    if len(offsets) != len(sample_index) + 1 or int(offsets[0]) != 0 or bool((offsets.diff() <= 0).any()):
-        shape_problems.append("offsets are not increasing from 0 with one entry per sample + 1")
-    if tensors["input_ids"].shape != (num_tokens,) or tensors["loss_mask"].shape != (num_tokens,):
-        shape_problems.append(f"input_ids/loss_mask shape != ({num_tokens},)")
-    if hidden.shape != (num_tokens, manifest["hidden_size"]) or hidden.dtype != expected_dtype:
-        shape_problems.append(
-            f"hidden is {tuple(hidden.shape)} {hidden.dtype}, expected ({num_tokens}, {manifest['hidden_size']}) "
-            f"{expected_dtype}"
-        )
-    if manifest.get("target_argmax") and (
-        "target_argmax" not in tensors or tensors["target_argmax"].shape != (num_tokens,)
-        or tensors["target_argmax"].dtype != torch.int32
-    ):
-        shape_problems.append(f"target_argmax missing or not int32 ({num_tokens},) (the manifest says it is stored)")
-    if len(sample_index) != record["num_samples"] or num_tokens != record["num_tokens"]:
-        shape_problems.append("sample/token counts differ from the manifest")
-    if shape_problems:
-        report.problems.extend(f"{name}: {p}" for p in shape_problems)
+    if int(offsets[0]) != 0 or num_tokens != record["num_tokens"] or bool((offsets.diff() <= 0).any()):
+        report.problems.append(f"{name}: offsets are not increasing from 0 to the shard's {record['num_tokens']} tokens")
         return sample_index.tolist()
     values = decode_hidden(hidden, tensors.get("hidden_scale"))
     bad_rows = (~torch.isfinite(values)).any(-1)
@@ -97,7 +85,6 @@ def _check_shard(root: Path, record: dict[str, Any], manifest: dict[str, Any], r
 
 
 def verify_features(root: str | Path, target_dir: str | Path | None = None, progress: bool = True) -> VerifyReport:
-    from mtp_train.errors import UserError
     from mtp_train.fingerprint import target_fingerprint
 
     root = Path(root)
@@ -112,11 +99,17 @@ def verify_features(root: str | Path, target_dir: str | Path | None = None, prog
         expected = manifest["fingerprints"]["target"]
         if actual != expected:
             report.problems.append(f"target fingerprint {actual} of {target_dir} != cache's {expected}")
+    if problem := _tokenizer_problem(root, manifest, target_dir):
+        report.problems.append(problem)
+    for split in manifest["splits"]:
+        report.problems.extend(split_problems(root, manifest, split))
     from tqdm import tqdm
 
     records = [(split, r) for split, info in manifest["splits"].items() for r in info["shards"]]
     seen: dict[str, dict[int, list[str]]] = {split: {} for split in manifest["splits"]}
     for split, record in tqdm(records, desc="verify", unit="shard", disable=not progress):
+        if not is_shard_name(split, record["name"]):
+            continue  # named by split_problems; never opened
         for sample in _check_shard(root, record, manifest, report):
             seen[split].setdefault(sample, []).append(record["name"])
     for split, info in manifest["splits"].items():
@@ -131,3 +124,20 @@ def verify_features(root: str | Path, target_dir: str | Path | None = None, prog
         if extra:
             report.problems.append(f"{split}: sample index(es) out of range: {extra[:10]}")
     return report
+
+
+def _tokenizer_problem(root: Path, manifest: dict[str, Any], target_dir: str | Path | None) -> str | None:
+    """The tokenizer check: the tokenizer of `target_dir` (or, without one, of the target the cache was computed
+    with, when that directory is here) must be the one that tokenized the data; None when it is or cannot be told."""
+    data_tokenizer = manifest["fingerprints"]["tokenizer"]
+    model_dir = target_dir if target_dir is not None else manifest.get("target_path")
+    if data_tokenizer is None or model_dir is None or not Path(model_dir).is_dir():
+        return None
+    try:
+        target_tokenizer = tokenizer_fingerprint(model_dir, manifest.get("chat_template"))
+    except UserError as err:
+        return f"tokenizer of {model_dir}: {err}"
+    if target_tokenizer == data_tokenizer:
+        return None
+    return tokenizer_mismatch(root / MANIFEST_FILENAME, data_tokenizer, manifest.get("tokenizer_source"), model_dir,
+                              target_tokenizer)
