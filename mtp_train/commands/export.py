@@ -15,7 +15,10 @@ def register(subparsers) -> None:
         "format. Formats: native (our runtime), deepseek-mtp (DeepSeek-V3 MTP layout; MTP heads), eagle (EAGLE-1 "
         "layout, SGLang; EAGLE-1 heads), speculators (vLLM speculators 'eagle'; EAGLE-1 heads). A head a format "
         "cannot represent is refused with what would be lost. A reduced draft vocabulary is written by native (d2t/t2d) "
-        "and eagle (SGLang --speculative-token-map file); deepseek-mtp and speculators refuse it. See docs/export.md.",
+        "and eagle (SGLang --speculative-token-map file); deepseek-mtp and speculators refuse it. A head whose "
+        "model.safetensors differs from the checksum recorded at save, or holds NaN/Inf weights, is refused. The "
+        "export is written next to --out and renamed into place; config.json's mtp_train.checksums records each "
+        "file's sha256 (checked by inspect). See docs/export.md.",
     )
     p.add_argument("--head", required=True, help="the head directory (a run's head/ or a save_head output)")
     p.add_argument("--format", required=True, help=f"one of: {', '.join(FORMAT_NAMES)}")

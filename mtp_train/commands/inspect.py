@@ -12,7 +12,9 @@ def register(subparsers) -> None:
         help="detect an exported head's format and check its tensors and config (exit 1 on any problem)",
         description="List the tensors (name, shape, dtype) of an exported head, detect its format, and check names, "
         "shapes and required config fields against the format (and against --target: hidden size, vocabulary, "
-        "architecture, fingerprint). Exits 1 naming every missing/unexpected tensor or field.",
+        "architecture, fingerprint), and the files' integrity: the sha256 of each file recorded at export (config.json "
+        "mtp_train.checksums; 'checksum ok' or the file that differs) and no NaN/Inf weights. Exits 1 naming every "
+        "missing/unexpected tensor or field and every file that changed.",
     )
     i.add_argument("directory", help="an export directory")
     i.add_argument("--target", default=None, help="also check against this target model directory")
@@ -29,7 +31,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.json:
         tensors = {k: {"shape": list(s), "dtype": d} for k, (s, d) in sorted(report.tensors.items())}
         print(json.dumps({"directory": str(report.directory), "format": report.format, "tensors": tensors,
-                          "problems": report.problems, "ok": report.ok}, indent=2))
+                          "problems": report.all_problems, "checksum": report.checksum, "ok": report.ok}, indent=2))
     else:
         print(format_report(report))
     return 0 if report.ok else 1

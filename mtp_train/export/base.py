@@ -46,11 +46,18 @@ class Report:
     config: dict[str, Any]
     tensors: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype)
     expected: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # names, shapes, fields, the target
+    # The files' integrity: a file whose sha256 differs from config.json's mtp_train.checksums, NaN/Inf weights.
+    integrity: list[str] = field(default_factory=list)
+    checksum: str = ""  # one line: "checksum ok (...)", or why it was not verified
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.integrity
+
+    @property
+    def all_problems(self) -> list[str]:
+        return self.problems + self.integrity
 
 
 class ExportFormat:

@@ -7,6 +7,8 @@ Conventions (see docs/export.md):
   fingerprint, and the hidden-state convention the head was trained on (the target's last layer *after* its final
   norm, i.e. what the lm_head reads; the MTP head feeds its own post-norm output back, the EAGLE-1 head its raw
   layer output).
+- Every `config.json`'s `"mtp_train"` block also records `checksums`: the sha256 of each other file of the export,
+  checked by `inspect` and `load_any_head` (engines ignore the block; no top-level key is added for them).
 - Names inside a head's decoder layer are transformers' (`self_attn.q_proj.weight`, ...), the same in every format.
 - A head with a reduced draft vocabulary (`HeadConfig.draft_vocab_size` = N) carries it as the EAGLE-3 pair
   `d2t` int64 [N] (target id = i + d2t[i]) and `t2d` bool [V] where the format stores tensors for it (native), as
@@ -16,6 +18,7 @@ Conventions (see docs/export.md):
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.fileio import atomic_write_bytes, read_json_object, staged_directory
+from mtp_train.fileio import read_json_object, staged_directory
 from mtp_train.heads.config import HeadConfig
 from mtp_train.runtime.config import ModelConfig
 from mtp_train.runtime.precision import TORCH_DTYPES
@@ -34,6 +37,9 @@ WEIGHTS_FILENAME = "model.safetensors"
 CONFIG_FILENAME = "config.json"
 HEAD_CONFIG_FILENAME = "head_config.json"
 BLOCK_KEY = "mtp_train"
+# config.json's mtp_train.checksums: {file name: hex sha256} of every other file of the export, written at export and
+# checked by inspect and load_any_head (config.json itself is checked by its fields).
+CHECKSUMS_KEY = "checksums"
 # config.json fields every engine-format export carries: the layer shape engines build the draft block from, plus
 # our own block (head config and the hidden state the head reads).
 ENGINE_CONFIG_FIELDS = (
@@ -224,6 +230,10 @@ class Target:
                 for key in wanted:
                     if wanted[key] is None and key in f.keys():
                         wanted[key] = f.get_tensor(key)
+        from mtp_train.heads.io import check_finite
+
+        check_finite({k: v for k, v in wanted.items() if v is not None}, f"{self.directory} (target weights)",
+                     "the target's weights are corrupted: restore the target model directory")
         embed, lm_head = wanted["model.embed_tokens.weight"], wanted["lm_head.weight"]
         if embed is None:
             raise UserError(f"{self.directory}: no model.embed_tokens.weight in the target's safetensors")
@@ -361,16 +371,56 @@ def check_out_dir(out: Path, overwrite: bool, protected: list[Path]) -> None:
             raise UserError(f"--out {out}: is (or contains) the input directory {path}; choose another output directory")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and os.path.ismount(out):
+        raise UserError(
+            f"--out {out}: is a mount point; an export is built next to its directory and renamed into place, which "
+            f"a mount point cannot be: export into a directory inside it (e.g. --out {out / 'head-export'})"
+        )
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"--out {out}: directory is not empty (pass --overwrite to replace it)")
 
 
+def _write_file(path: Path, data: bytes) -> None:
+    """One file of a staged export, flushed to disk (the staging directory is what makes the export atomic)."""
+    with path.open("wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
+# errno -> what the user should do, for a failed export write (the message also names --out and the OS error).
+_WRITE_ERRORS = {
+    errno.ENOSPC: "the disk is full: free space (the export needs about {size}) and rerun the same command",
+    errno.EDQUOT: "the disk quota is exhausted: free space (the export needs about {size}) and rerun the same command",
+    errno.EACCES: "no permission to write there: choose a directory you can write to (--out), or fix its permissions",
+    errno.EPERM: "no permission to write there: choose a directory you can write to (--out), or fix its permissions",
+    errno.EROFS: "the file system is read-only: choose a directory on a writable file system (--out)",
+    errno.EBUSY: "the directory is in use or a mount point, so it cannot be replaced: export into a new directory "
+    "inside it, or choose another --out",
+    errno.EXDEV: "the directory is a mount point or on another file system than its parent, so it cannot be "
+    "replaced: export into a new directory inside it, or choose another --out",
+}
+
+
 def write_directory(out: Path, files: dict[str, bytes], overwrite: bool) -> Path:
     """Write `files` (name -> bytes) into a staged sibling directory that then replaces `out` (an empty directory, or a
-    non-empty one when `overwrite`)."""
-    with staged_directory(out) as staging:
-        for name, data in files.items():
-            atomic_write_bytes(staging / name, data)
-        if out.is_dir() and any(out.iterdir()) and not overwrite:  # filled while we wrote
-            raise UserError(f"--out {out}: directory is not empty (pass --overwrite to replace it)")
+    non-empty one when `overwrite`). A failed write (disk full, no permission, read-only file system, a mount point)
+    is a UserError naming `out` and what to do; the staging directory is removed and `out` is left as it was, so no
+    half-written export is ever left under its name."""
+    try:
+        with staged_directory(out) as staging:
+            for name, data in files.items():
+                _write_file(staging / name, data)
+            if out.is_dir() and any(out.iterdir()) and not overwrite:  # filled while we wrote
+                raise UserError(f"--out {out}: directory is not empty (pass --overwrite to replace it)")
+    except OSError as err:
+        advice = _WRITE_ERRORS.get(err.errno)
+        if advice is None:
+            raise
+        size = f"{sum(len(data) for data in files.values()) / 2**20:.1f} MiB"
+        where = f" ({err.filename})" if getattr(err, "filename", None) else ""
+        raise UserError(
+            f"--out {out}: export not written: {os.strerror(err.errno)}{where}; {advice.format(size=size)}. Nothing "
+            "was left under that name (an existing export there is unchanged)"
+        ) from None
     return out

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from mtp_train.errors import UserError
 from mtp_train.export.common import (
-    CONFIG_FILENAME, WEIGHTS_FILENAME, Target, check_out_dir, parse_dtype, write_directory,
+    BLOCK_KEY, CHECKSUMS_KEY, CONFIG_FILENAME, HEAD_CONFIG_FILENAME, WEIGHTS_FILENAME, Target, check_out_dir,
+    parse_dtype, write_directory,
 )
 from mtp_train.export.registry import get_format
 from mtp_train.fileio import json_bytes
-from mtp_train.heads.io import read_head, safetensors_bytes
+from mtp_train.heads.io import check_finite, head_config_bytes, read_head, safetensors_bytes, sha256_hex
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,10 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
     size, vocabulary, architecture, fingerprint), it supplies the layer config written to config.json, and for
     deepseek-mtp the frozen embed_tokens / lm_head tensors. `dtype`: bfloat16 | float16 | float32 (default: the
     head's stored dtype) for the floating-point tensors; a reduced draft vocabulary's d2t (int64) / t2d (bool) keep
-    theirs. The output is built in a temporary sibling directory and renamed into place."""
+    theirs. The output is built in a temporary sibling directory and renamed into place; config.json's
+    `mtp_train.checksums` records the sha256 of every other file (native's head_config.json also records its
+    model.safetensors', as `save_head` does). The head is read with `heads.read_head`'s checks (its recorded
+    checksum, no NaN/Inf), and the tensors written must be finite too (a cast to float16 can overflow)."""
     fmt = get_format(format_name)
     if num_speculative_tokens < 1:
         raise UserError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
@@ -57,10 +61,17 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
     expected = fmt.expected_tensors(files[CONFIG_FILENAME], out)
     got = {name: tuple(t.shape) for name, t in tensors.items()}
     assert got == expected, f"format {fmt.name} wrote {sorted(got.items())}, its checks expect {sorted(expected.items())}"
+    check_finite(tensors, f"export of {head_dir} as {fmt.name} in {str(torch_dtype)[6:]}",
+                 "the values do not fit that dtype: export in a wider --dtype (float32 or bfloat16)")
 
     # Besides JSON, a format may write a ready file (bytes): eagle's SGLang token map.
+    config = files.pop(CONFIG_FILENAME)
     contents = {name: c if isinstance(c, bytes) else json_bytes(c) for name, c in files.items()}
     contents[WEIGHTS_FILENAME] = safetensors_bytes(tensors, {"mtp_train_format": fmt.name, "kind": head_config.kind})
+    if HEAD_CONFIG_FILENAME in contents:  # native: loadable by heads.load_head as is, with the weights' checksum
+        contents[HEAD_CONFIG_FILENAME] = head_config_bytes(head_config, sha256_hex(contents[WEIGHTS_FILENAME]))
+    config[BLOCK_KEY][CHECKSUMS_KEY] = {name: sha256_hex(data) for name, data in sorted(contents.items())}
+    contents[CONFIG_FILENAME] = json_bytes(config)
     write_directory(out, contents, overwrite)
     log.info("exported %s head %s as %s to %s (%d tensors)", head_config.kind, head_dir, fmt.name, out, len(tensors))
     return out

@@ -11,10 +11,10 @@ from typing import Any
 from mtp_train.errors import UserError
 from mtp_train.export.base import Report, missing_fields
 from mtp_train.export.common import (
-    BLOCK_KEY, CONFIG_FILENAME, DRAFT_VOCAB_TENSORS, WEIGHTS_FILENAME, Target, read_safetensors_header,
+    BLOCK_KEY, CHECKSUMS_KEY, CONFIG_FILENAME, DRAFT_VOCAB_TENSORS, WEIGHTS_FILENAME, Target, read_safetensors_header,
 )
 from mtp_train.export.registry import FORMATS
-from mtp_train.fileio import read_json_object
+from mtp_train.fileio import file_sha256, read_json_object
 
 # Heuristic detection order when the config does not name its format (native first: it may hold any names).
 _DETECT_ORDER = ("native", "speculators", "deepseek-mtp", "eagle")
@@ -33,7 +33,7 @@ def detect_format(directory: Path, config: dict[str, Any], names: set[str]) -> s
 def inspect_dir(directory: str | os.PathLike[str], target: Any = None) -> Report:
     """Check `directory` (an export). `target`: a `Target`, a loaded `CausalLM`, or None. Unreadable input (no
     directory, no config.json, invalid JSON or safetensors) raises UserError; everything else lands in
-    `Report.problems`."""
+    `Report.problems`, and the files' integrity (`check_integrity`) in `Report.integrity` / `Report.checksum`."""
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"{directory}: directory not found")
@@ -43,6 +43,7 @@ def inspect_dir(directory: str | os.PathLike[str], target: Any = None) -> Report
     config = read_json_object(config_path)
     tensors = read_safetensors_header(weights_path)
     report = Report(directory=directory, format=None, config=config, tensors=tensors)
+    check_integrity(report)
 
     fmt_name = detect_format(directory, config, set(tensors))
     if fmt_name is None:
@@ -80,6 +81,44 @@ def inspect_dir(directory: str | os.PathLike[str], target: Any = None) -> Report
     if target is not None:
         report.problems += [f"{directory}: {p}" for p in fmt.target_problems(config, Target.of(target))]
     return report
+
+
+def check_integrity(report: Report) -> None:
+    """Fill `report.checksum` and `report.integrity`: each file listed in config.json's mtp_train.checksums must
+    still have its recorded sha256 (an export without that record is noted, not refused: written before exports
+    carried checksums, or not by mtp-train), and no floating-point tensor of model.safetensors may hold NaN/Inf."""
+    from mtp_train.heads.io import nonfinite_summary, read_safetensors
+
+    directory = report.directory
+    block = report.config.get(BLOCK_KEY)
+    recorded = block.get(CHECKSUMS_KEY) if isinstance(block, dict) else None
+    source = f"{directory / CONFIG_FILENAME} {BLOCK_KEY}.{CHECKSUMS_KEY}"
+    if recorded is None:
+        report.checksum = (f"no checksum recorded ({BLOCK_KEY}.{CHECKSUMS_KEY} absent: exported before exports "
+                           "carried checksums, or not by mtp-train export); integrity not verified")
+    elif not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
+        report.integrity.append(f"{source}: expected an object of file name -> sha256 hex")
+    else:
+        if WEIGHTS_FILENAME not in recorded:
+            report.integrity.append(f"{source}: does not list {WEIGHTS_FILENAME}")
+        for name, digest in sorted(recorded.items()):
+            path = directory / name
+            if Path(name).name != name or name == CONFIG_FILENAME:
+                report.integrity.append(f"{source}: lists {name!r}, which is not a file of the export")
+            elif not path.is_file():
+                report.integrity.append(f"{path}: missing (listed in {source})")
+            elif (actual := file_sha256(path)) != digest:
+                report.integrity.append(
+                    f"{path}: checksum mismatch: sha256 {actual[:16]}... but {source} recorded {digest[:16]}... at "
+                    "export: the file was changed or corrupted since; export the head again"
+                )
+        if not report.integrity:
+            report.checksum = f"checksum ok (sha256 of {', '.join(sorted(recorded))})"
+    summary = nonfinite_summary(read_safetensors(directory / WEIGHTS_FILENAME))
+    if summary:
+        report.integrity.append(f"{directory / WEIGHTS_FILENAME}: {summary}")
+    if report.integrity and not report.checksum:
+        report.checksum = "checksum NOT ok"
 
 
 def _dtype_problems(config: dict[str, Any], tensors: dict[str, tuple[tuple[int, ...], str]], source: str) -> list[str]:
@@ -123,9 +162,10 @@ def format_report(report: Report) -> str:
         where = f"token map {block['speculative_token_map']}" if block.get("speculative_token_map") else "d2t/t2d"
         lines.append(f"  draft vocabulary: {draft_vocab_size} of {report.config.get('vocab_size')} target tokens "
                      f"({where})")
-    if report.problems:
-        lines.append(f"{len(report.problems)} problem(s):")
-        lines += [f"  - {p}" for p in report.problems]
+    lines.append(f"  {report.checksum}")
+    if report.all_problems:
+        lines.append(f"{len(report.all_problems)} problem(s):")
+        lines += [f"  - {p}" for p in report.all_problems]
     else:
-        lines.append("ok: names, shapes, dtypes and config fields match the format")
+        lines.append("ok: names, shapes, dtypes and config fields match the format; no NaN/Inf weights")
     return "\n".join(lines)

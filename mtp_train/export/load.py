@@ -2,12 +2,14 @@
 `DraftHead` over a loaded target.
 
 An export is first checked like `mtp-train inspect --target` (names, shapes, config fields, target), then its
-tensors are mapped back to DraftHead's names and checked as `heads.io.load_head` checks a native head. Frozen tensors
+tensors are mapped back to DraftHead's names and checked as `heads.io.load_head` checks a native head, and last its
+integrity (the sha256 recorded at export, no NaN/Inf weights) as `inspect` reports it. Frozen tensors
 stored in the file (deepseek-mtp's embed_tokens and shared_head.head) must equal the target's; the head itself always
 reads the target's own."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from mtp_train.export.registry import FORMATS
 from mtp_train.heads.draft_head import DraftHead
 from mtp_train.heads.io import build_head, check_head_state, check_target, load_head, read_safetensors
 from mtp_train.runtime.model import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 def _same_values(stored: torch.Tensor, own: torch.Tensor) -> bool:
@@ -57,6 +61,10 @@ def load_any_head(directory: str | os.PathLike[str], target: CausalLM, dtype: to
                 "target's weights changed)"
             )
     check_head_state(native, head_config, target.config, str(weights))
+    if report.integrity:  # after the structural checks, as for a native head (heads.io.read_head)
+        raise UserError(f"{directory}: not loadable: " + "; ".join(report.integrity))
+    if not report.checksum.startswith("checksum ok"):
+        log.warning("%s: %s", directory, report.checksum)
     return build_head(target, head_config, native, dtype)
 
 

@@ -1,8 +1,9 @@
 """`native`: what our own runtime loads.
 
 Files: `model.safetensors` (the head's own tensors under DraftHead's state-dict names, exactly what
-`heads.save_head` writes; never the target's embed_tokens / lm_head), `head_config.json` (`HeadConfig`, so
-`heads.load_head` reads the directory as is) and `config.json` describing it for other tools:
+`heads.save_head` writes; never the target's embed_tokens / lm_head), `head_config.json` (`HeadConfig` and the
+weights' `weights_sha256`, as `heads.save_head` writes it, so `heads.load_head` reads the directory as is) and
+`config.json` describing it for other tools:
 
     format "mtp_train.native", format_version, head_kind, num_layers, model_type, hidden_size, vocab_size,
     norms {enorm, hnorm, input_layernorm[per layer], final_norm}, fc_bias, input_projection ("eh_proj" | "fc"),

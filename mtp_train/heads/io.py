@@ -1,10 +1,18 @@
 """Native head files: `<dir>/model.safetensors` (the head's own tensors only, never the target's embed_tokens or
-lm_head) + `<dir>/head_config.json`. Both are written to a temporary name and renamed into place.
+lm_head) + `<dir>/head_config.json` (the `HeadConfig`, plus `weights_sha256`: the sha256 of model.safetensors as
+saved). Both are written to a temporary name and renamed into place, the weights first.
+
+Loading checks the head's integrity after its structure: model.safetensors must still have the recorded sha256
+(a head saved before checksums were recorded loads with a one-line note), and no floating-point weight may be NaN or
+Inf (`check_finite`, named by tensor and count; also used on everything `export` reads).
 
 Also the one check of a head against its target (`target_mismatches`): export, inspect and every loader use it."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -12,7 +20,7 @@ from typing import Any
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.fileio import atomic_write_bytes
+from mtp_train.fileio import atomic_write_bytes, file_sha256, json_bytes
 from mtp_train.heads.config import HeadConfig
 from mtp_train.heads.draft_head import DraftHead
 from mtp_train.heads.vocab import check_d2t_t2d
@@ -23,6 +31,9 @@ WEIGHTS_FILENAME = "model.safetensors"
 CONFIG_FILENAME = "head_config.json"
 TARGET_KEYS = ("hidden_size", "vocab_size", "model_type")  # what a head records of its target, besides the fingerprint
 DRAFT_VOCAB_DTYPES = {"d2t": torch.int64, "t2d": torch.bool}  # a reduced draft vocabulary's tensors
+WEIGHTS_SHA256_KEY = "weights_sha256"  # head_config.json: hex sha256 of model.safetensors, written by save_head
+
+log = logging.getLogger(__name__)
 
 
 def _is_frozen_key(key: str) -> bool:
@@ -131,29 +142,115 @@ def save_head(head: DraftHead, directory: str | os.PathLike[str], dtype: torch.d
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     frozen = [key for key in state if _is_frozen_key(key)]
     assert not frozen, f"head state dict holds the target's frozen tensors {frozen}"
-    atomic_write_bytes(directory / WEIGHTS_FILENAME, safetensors_bytes(state, {"kind": head.head_config.kind}))
-    atomic_write_bytes(directory / CONFIG_FILENAME, head.head_config.to_json().encode("utf-8"))
+    weights = safetensors_bytes(state, {"kind": head.head_config.kind})
+    atomic_write_bytes(directory / WEIGHTS_FILENAME, weights)
+    atomic_write_bytes(directory / CONFIG_FILENAME, head_config_bytes(head.head_config, sha256_hex(weights)))
     return directory
 
 
-def read_head_config(directory: str | os.PathLike[str]) -> HeadConfig:
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def head_config_bytes(head_config: HeadConfig, weights_sha256: str | None) -> bytes:
+    """head_config.json's content: the HeadConfig's fields, plus `weights_sha256` (the sha256 of the
+    model.safetensors written next to it) when given."""
+    data = head_config.to_dict()
+    if weights_sha256 is not None:
+        data[WEIGHTS_SHA256_KEY] = weights_sha256
+    return json_bytes(data)
+
+
+def read_head_record(directory: str | os.PathLike[str]) -> tuple[HeadConfig, str | None]:
+    """(the HeadConfig, the weights_sha256 recorded next to it or None for a head saved before checksums were
+    recorded) from `<directory>/head_config.json`; UserError naming the file when it is missing or invalid."""
     path = Path(directory) / CONFIG_FILENAME
     if not path.is_file():
         raise UserError(f"{path}: not found (expected a head directory with {CONFIG_FILENAME} and {WEIGHTS_FILENAME})")
-    return HeadConfig.from_json(path.read_text(encoding="utf-8"), source=str(path))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{path}: invalid JSON ({err})") from None
+    if not isinstance(data, dict):
+        return HeadConfig.from_dict(data, source=str(path)), None  # raises, naming the file
+    data = dict(data)
+    recorded = data.pop(WEIGHTS_SHA256_KEY, None)
+    if recorded is not None and not (
+        isinstance(recorded, str) and len(recorded) == 64 and all(c in "0123456789abcdef" for c in recorded)
+    ):
+        raise UserError(f"{path}: {WEIGHTS_SHA256_KEY}={recorded!r} is not a sha256 (64 lowercase hex digits)")
+    return HeadConfig.from_dict(data, source=str(path)), recorded
+
+
+def read_head_config(directory: str | os.PathLike[str]) -> HeadConfig:
+    """The HeadConfig of a head directory (see `read_head_record`)."""
+    return read_head_record(directory)[0]
+
+
+def nonfinite_summary(tensors: dict[str, torch.Tensor]) -> str | None:
+    """None when every floating-point tensor is finite; otherwise one phrase naming each tensor that holds NaN or
+    Inf values and how many, e.g. "2048 NaN/Inf value(s) in 1 tensor(s): layers.0.mlp.up_proj.weight (2048 NaN)"."""
+    found = []
+    for name, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            continue
+        nan = int(torch.isnan(tensor).sum())
+        inf = int(torch.isinf(tensor).sum())
+        if nan or inf:
+            counts = ", ".join(f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "Inf")) if n)
+            found.append((name, nan + inf, counts))
+    if not found:
+        return None
+    total = sum(n for _, n, _ in found)
+    listed = ", ".join(f"{name} ({counts})" for name, _, counts in found)
+    return f"{total} NaN/Inf value(s) in {len(found)} tensor(s): {listed}"
+
+
+def check_finite(tensors: dict[str, torch.Tensor], source: str, hint: str) -> None:
+    """UserError naming every NaN/Inf-holding tensor of `tensors` (read from `source`) and the count, then `hint`."""
+    summary = nonfinite_summary(tensors)
+    if summary:
+        raise UserError(f"{source}: {summary}; {hint}")
+
+
+def check_integrity(
+    weights_path: Path, state: dict[str, torch.Tensor], recorded_sha256: str | None, record_source: str
+) -> None:
+    """A structurally valid head file against the sha256 recorded when it was saved (`recorded_sha256`, from
+    `record_source`; None: not recorded, one-line note), then its weights for NaN/Inf. UserErrors name the file."""
+    summary = nonfinite_summary(state)
+    if recorded_sha256 is None:
+        log.warning("%s: no %s recorded in %s (saved before heads carried a checksum); its bytes are not verified",
+                    weights_path, WEIGHTS_SHA256_KEY, record_source)
+    else:
+        actual = file_sha256(weights_path)
+        if actual != recorded_sha256:
+            found = f"; it now holds {summary}" if summary else ""
+            raise UserError(
+                f"{weights_path}: checksum mismatch: sha256 {actual[:16]}... but {record_source} recorded "
+                f"{recorded_sha256[:16]}... when the head was saved: the file was changed or corrupted since (or "
+                f"the save was interrupted){found}. Restore the head from a good copy or save/train it again"
+            )
+    if summary:
+        raise UserError(
+            f"{weights_path}: {summary}; a head with non-finite weights cannot draft (training diverged or the "
+            "file is corrupted): retrain it or restore a good copy"
+        )
 
 
 def read_head(
     directory: str | os.PathLike[str], config: ModelConfig, fingerprint: str | None
 ) -> tuple[dict[str, torch.Tensor], HeadConfig]:
     """The state dict (as stored) and config of a head saved by `save_head`, checked against a target's `config` and
-    `fingerprint` (`check_target`, `check_head_state`) without building the head."""
+    `fingerprint` (`check_target`, `check_head_state`), then for integrity (`check_integrity`: the recorded sha256,
+    no NaN/Inf), without building the head. The structural checks come first: they name the more specific fault."""
     directory = Path(directory)
-    head_config = read_head_config(directory)
+    head_config, recorded_sha256 = read_head_record(directory)
     check_target(head_config, config, fingerprint, str(directory / CONFIG_FILENAME))
     weights_path = directory / WEIGHTS_FILENAME
     state = read_safetensors(weights_path)
     check_head_state(state, head_config, config, str(weights_path))
+    check_integrity(weights_path, state, recorded_sha256, str(directory / CONFIG_FILENAME))
     return state, head_config
 
 
