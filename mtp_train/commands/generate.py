@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
@@ -48,6 +49,25 @@ def _default_target() -> str:
     return str(model_dir(DEFAULT_MODEL))
 
 
+def check_generate_args(args: argparse.Namespace) -> None:
+    """Refuse degenerate `generate` arguments by name before any model is loaded (raises UserError)."""
+    from mtp_train.errors import UserError
+
+    if not args.prompt.strip():
+        raise UserError(f"--prompt is empty{' (only whitespace)' if args.prompt else ''}: give the user message")
+    if args.system is not None and not args.system.strip():
+        raise UserError("--system is empty: give the system message, or leave --system out for none")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for option, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
+        if not math.isfinite(value):
+            raise UserError(f"{option} must be a finite number, got {value}")
+    if not -(2**63) <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise UserError(f"--seed must be in -2**63 .. 2**64-1, got {args.seed}")
+    if (args.head or args.draft) and not 1 <= args.num_speculative_tokens <= 8:
+        raise UserError(f"--num-speculative-tokens must be in 1..8, got {args.num_speculative_tokens}")
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from mtp_train.errors import UserError
     from mtp_train.runtime.chat import encode_chat, stop_token_ids
@@ -56,8 +76,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from mtp_train.runtime.precision import resolve_precision
     from mtp_train.runtime.sampler import SamplingParams
 
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_generate_args(args)
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     except ValueError as err:
@@ -69,7 +88,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"[{precision.describe()}]", file=sys.stderr)
     model = load_model(target, device=device, precision=precision)
     tokenizer = load_tokenizer(target)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+    messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
         {"role": "user", "content": args.prompt}
     ]
     prompt_ids = encode_chat(tokenizer, messages, target)
@@ -79,8 +98,6 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.head or args.draft:
         from mtp_train.export.load import load_draft
 
-        if not 1 <= args.num_speculative_tokens <= 8:
-            raise UserError(f"--num-speculative-tokens must be in 1..8, got {args.num_speculative_tokens}")
         draft = load_draft(model, tokenizer, precision, head=args.head, draft_model=args.draft)
 
     streamer = None if args.json else TextStreamer(tokenizer)

@@ -7,7 +7,9 @@ wrong types) is a `UserError` instead. Nothing is dropped silently.
 
 Containers (chosen from the path): a directory is an HF `datasets` directory (`load_from_disk`); `*.parquet` is a
 parquet file; anything else is JSON: a top-level array of records (read record by record, so a file cut off in the
-middle of a record still yields every complete record before the cut) or JSON Lines.
+middle of a record still yields every complete record before the cut) or JSON Lines. JSON is read as UTF-8; a
+record holding bytes that are not UTF-8 is an "invalid UTF-8" row (named by file:line, malformed under --strict),
+and reading goes on with the next record.
 
 Row schemas (`format`): sharegpt = `conversations: [{from, value} | {role, content}]` (plus optional `system`);
 messages = `messages: [{role, content}]` (content a string or a list of `{type: text, text}` parts);
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mtp_train.data.json_array import JsonArrayReader
+from mtp_train.data.json_array import UNDECODABLE_ERRORS, JsonArrayReader, find_undecodable
 from mtp_train.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -121,13 +123,21 @@ def _iter_json_array(path: Path) -> Iterator[RawRow]:
     A record cut off by the end of the file (a truncated download: the file does not end with `]`) ends the
     file with one "truncated JSON record" row, not counted as malformed, so `--strict` still reads such files.
     A malformed record (or a missing comma) ends the file with one "malformed JSON" row: we stop there rather
-    than guess where the next record starts.
+    than guess where the next record starts. A well-formed record holding bytes that are not UTF-8 is one
+    "invalid UTF-8" row (located at the line where the record starts) and reading goes on.
     """
-    with path.open(encoding="utf-8") as stream:
+    with path.open(encoding="utf-8", errors=UNDECODABLE_ERRORS) as stream:
         reader = JsonArrayReader(stream, str(path))
         records = 0
         for element in reader:
             location = f"{path}:{element.line}"
+            if element.undecodable and element.problem != "cut_off":
+                stop = "; stopping here" if element.problem else ""
+                detail = f"{location}: record {element.index}: not UTF-8 text ({element.undecodable}){stop}"
+                yield RawRow(element.index, location, error=RowSkipped("invalid UTF-8", detail, malformed=True))
+                if element.problem:
+                    return
+                continue
             if not element.problem:
                 yield RawRow(element.index, location, record=element.value)
                 records += 1
@@ -143,16 +153,31 @@ def _iter_json_array(path: Path) -> Iterator[RawRow]:
         if reader.truncated:
             line = reader.locate()[0]
             logger.warning("%s: line %d: the JSON array ends without ']' after %d records", path, line, records)
+        if reader.trailing is not None:  # e.g. a second array appended, or JSON Lines whose first row is an array
+            line, column, found = reader.trailing
+            detail = f"{path}:{line}: text after the closing ']' of the JSON array at column {column} ({found!r}); "
+            detail += "a JSON file holds one array (or one object per line: JSON Lines)"
+            yield RawRow(records, f"{path}:{line}", error=RowSkipped("malformed JSON", detail, malformed=True))
 
 
 def _iter_json_lines(path: Path) -> Iterator[RawRow]:
-    """Records of a JSON Lines file; blank lines are ignored, a malformed line is reported with its number."""
+    """Records of a JSON Lines file; blank lines are ignored, a malformed line (bad JSON, or bytes that are not
+    UTF-8) is reported with its number."""
     index = 0
-    with path.open(encoding="utf-8") as stream:
+    with path.open(encoding="utf-8", errors=UNDECODABLE_ERRORS) as stream:
         for line_number, line in enumerate(stream, start=1):
+            if line_number == 1:
+                line = line.removeprefix("\ufeff")  # a byte order mark
             if not line.strip():
                 continue
             location = f"{path}:{line_number}"
+            undecodable = find_undecodable(line)
+            if undecodable is not None:
+                column, byte = undecodable[0] + 1, undecodable[1]
+                detail = f"{location}: not UTF-8 text (byte 0x{byte:02x} at column {column})"
+                yield RawRow(index, location, error=RowSkipped("invalid UTF-8", detail, malformed=True))
+                index += 1
+                continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
@@ -172,11 +197,7 @@ def _iter_hf_rows(path: Path, split: str | None) -> Iterator[RawRow]:
             parquet = pq.ParquetFile(path)
         except Exception as err:  # pyarrow raises several types for non-parquet input
             raise UserError(f"{path}: not a readable parquet file ({err})") from None
-        index = 0
-        for batch in parquet.iter_batches(batch_size=256):
-            for record in batch.to_pylist():
-                yield RawRow(index, f"{path} row {index}", record=record)
-                index += 1
+        yield from _arrow_rows(path, parquet.iter_batches(batch_size=256))
         return
 
     import datasets
@@ -190,8 +211,33 @@ def _iter_hf_rows(path: Path, split: str | None) -> Iterator[RawRow]:
         if split_name not in loaded:
             raise UserError(f"{path}: split {split or 'train'!r} not found; set `split:` to one of {list(loaded)}")
         loaded = loaded[split_name]
-    for index, record in enumerate(loaded):
-        yield RawRow(index, f"{path} row {index}", record=record)
+    yield from _arrow_rows(path, loaded.with_format("arrow").iter(batch_size=256))
+
+
+def _arrow_rows(path: Path, batches: Iterator[Any]) -> Iterator[RawRow]:
+    """The rows of Arrow record batches (or tables) as RawRows named `<path> row <index>`.
+
+    Arrow strings must be UTF-8, and the usual writers check that, but a file from a writer that does not holds
+    bytes that fail only when a row is converted: such a row is an "invalid UTF-8" row, the others are kept.
+    """
+    index = 0
+    for batch in batches:
+        try:
+            records = batch.to_pylist()
+        except UnicodeDecodeError:  # find the bad rows one by one
+            records = None
+        for offset in range(batch.num_rows):
+            row = RawRow(index, f"{path} row {index}")
+            if records is not None:
+                row.record = records[offset]
+            else:
+                try:
+                    row.record = batch.slice(offset, 1).to_pylist()[0]
+                except UnicodeDecodeError as err:
+                    detail = f"{row.location}: not UTF-8 text (byte 0x{err.object[err.start]:02x} in a string value)"
+                    row.error = RowSkipped("invalid UTF-8", detail, malformed=True)
+            yield row
+            index += 1
 
 
 def iter_raw_rows(path: str | Path, split: str | None = None) -> Iterator[RawRow]:
@@ -202,8 +248,11 @@ def iter_raw_rows(path: str | Path, split: str | None = None) -> Iterator[RawRow
     if is_hf_container(source_path):
         yield from _iter_hf_rows(source_path, split)
         return
-    with source_path.open(encoding="utf-8") as stream:
-        first_chars = stream.read(4096).lstrip()
+    with source_path.open(encoding="utf-8", errors=UNDECODABLE_ERRORS) as stream:
+        first_chars = stream.read(4096).lstrip().removeprefix("\ufeff").lstrip()
+        whole_file_read = not stream.read(1)
+    if not first_chars and whole_file_read:
+        raise UserError(f"{source_path}: the file is empty (no JSON records); fetch it again or remove the source")
     if first_chars.startswith("["):
         yield from _iter_json_array(source_path)
     else:
@@ -325,11 +374,13 @@ def iter_conversations(
         try:
             if row.error is not None:
                 raise row.error
+            if not isinstance(row.record, dict):  # skipped before format detection, which needs an object's keys
+                detail = f"{row.location}: expected a JSON object per row, got {type(row.record).__name__}"
+                raise RowSkipped("row is not an object", detail, malformed=True)
             if resolved_format is None:
-                record_keys = row.record if isinstance(row.record, dict) else {}
-                resolved_format = next((fmt for fmt, key in _FORMAT_KEYS.items() if key in record_keys), None)
+                resolved_format = next((fmt for fmt, key in _FORMAT_KEYS.items() if key in row.record), None)
                 if resolved_format is None:
-                    keys = sorted(row.record) if isinstance(row.record, dict) else type(row.record).__name__
+                    keys = sorted(row.record)
                     raise UserError(
                         f"{row.location}: cannot detect the row format from keys {keys}; expected one of "
                         "`conversations` (sharegpt), `messages`, `turns` (mt_bench), or set `format:` on the source"

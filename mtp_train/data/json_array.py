@@ -1,11 +1,16 @@
 """A top-level JSON array read element by element (from a string, or a text stream in chunks), made for arrays
 cut off by a truncated download: every complete element before the cut comes out. A bad element or a missing comma
 comes out with a `problem`; the caller stops there or reads on (after the bad element, found by bracket matching).
+
+Bytes that are not UTF-8: open the file with `errors=UNDECODABLE_ERRORS` ("surrogateescape"), which turns each such
+byte into one lone surrogate instead of raising, so the reader keeps its place; an element whose text holds one comes
+out with `undecodable` saying which byte and where (`find_undecodable` finds them in any text decoded that way).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, TextIO
@@ -14,13 +19,26 @@ from mtp_train.errors import UserError
 
 CHUNK_CHARS = 1 << 22  # characters per read from a stream
 _WHITESPACE = " \t\r\n"
+UNDECODABLE_ERRORS = "surrogateescape"  # the `errors=` to open files with: a non-UTF-8 byte b becomes chr(0xDC00 + b)
+# What "surrogateescape" makes of a byte that is not UTF-8 (0x80..0xFF). A strict UTF-8 decode never yields these
+# characters (JSON's "\\udc80" escapes are ASCII in the text), so finding one means the file held such a byte.
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
+
+
+def find_undecodable(text: str, start: int = 0, end: int | None = None) -> tuple[int, int] | None:
+    """(index in `text`, byte value) of the first byte of text[start:end] that was not UTF-8, or None; `text` was
+    decoded with errors="surrogateescape"."""
+    match = _UNDECODABLE.search(text, start, len(text) if end is None else end)
+    return None if match is None else (match.start(), ord(match.group()) - 0xDC00)
 
 
 @dataclass
 class ArrayElement:
     """One element (`index` from 0; 1-based `line`/`column` of its start). problem: "" for a decoded `value`,
     "invalid" (complete but not JSON), "separator" (the comma before it is missing) or "cut_off" (the text ends
-    inside it; always the last element), with the decoder's (or the separator check's) `message`."""
+    inside it; always the last element), with the decoder's (or the separator check's) `message`. undecodable:
+    "" or, when the element's text holds a byte that is not UTF-8, which and where (e.g. "byte 0xff at line 12,
+    column 7"); its `value` then holds the escaped characters, not text to use."""
 
     index: int
     line: int
@@ -28,12 +46,16 @@ class ArrayElement:
     value: Any = None
     problem: Literal["", "invalid", "separator", "cut_off"] = ""
     message: str = ""
+    undecodable: str = ""
 
 
 class JsonArrayReader:
-    """The `ArrayElement`s of the array in `source` (the text, or a stream read `CHUNK_CHARS` at a time). Afterwards
+    """The `ArrayElement`s of the array in `source` (the text, or a stream read `CHUNK_CHARS` at a time; open files
+    with `errors=UNDECODABLE_ERRORS` so that a non-UTF-8 byte is reported on its element). Afterwards
     `closed`: the `]` was reached; `truncated`: the text ended before it; `tail_chars`: characters of a cut-off last
-    element. `position`: characters consumed so far (for progress bars); `label` names the source in errors."""
+    element; `trailing`: None, or (line, column, the first characters) of text after the closing `]` (a file
+    holds one array: anything after it is not read). `position`: characters consumed so far (for progress bars);
+    `label` names the source in errors."""
 
     def __init__(self, source: str | TextIO, label: str = "<string>") -> None:
         self.label = label
@@ -46,6 +68,7 @@ class JsonArrayReader:
         self._line, self._line_start, self._counted_to = 1, 0, 0
         self.closed = self.truncated = False
         self.tail_chars = 0
+        self.trailing: tuple[int, int, str] | None = None
 
     @property
     def position(self) -> int:
@@ -97,6 +120,8 @@ class JsonArrayReader:
             if char in ("]", ""):  # the end of the array, or of the text before it
                 self.closed, self.truncated = char == "]", char == ""
                 self._pos += len(char)
+                if self.closed and self._peek():
+                    self.trailing = (*self.locate(), self._buffer[self._pos : self._pos + 20])
                 return
             element = self._decode(decoder, ArrayElement(index, *self.locate()))
             yield element
@@ -127,12 +152,26 @@ class JsonArrayReader:
                     self._pos = len(self._buffer)
                 else:
                     element.problem = "invalid"
+                    self._note_undecodable(element, max(value_end, self._pos + 1))
                     self._pos = max(value_end, self._pos + 1)  # a stray ',' is an empty element: step over it
                 return element
             if end == len(self._buffer) and self._refill():
                 continue  # a number or literal may go on in the next chunk
+            self._note_undecodable(element, end)
             self._pos = end
             return element
+
+    def _note_undecodable(self, element: ArrayElement, end: int) -> None:
+        """Set `element.undecodable` if its text, from the read position to `end` in the buffer, holds a non-UTF-8
+        byte (the element starts at the read position, on line `element.line`)."""
+        found = find_undecodable(self._buffer, self._pos, end)
+        if found is None:
+            return
+        index, byte = found
+        line = element.line + self._buffer.count("\n", self._pos, index)
+        line_start = self._buffer.rfind("\n", self._pos, index)
+        column = index - line_start if line_start >= 0 else element.column + index - self._pos
+        element.undecodable = f"byte 0x{byte:02x} at line {line}, column {column}"
 
 
 def _value_end(text: str, start: int) -> int | None:

@@ -104,7 +104,13 @@ def load_chat_tokenizer(
         template_file = Path(chat_template_path)
         if not template_file.is_file():
             raise UserError(f"data.chat_template: {template_file}: file not found")
-        tokenizer.chat_template = template_file.read_text(encoding="utf-8")
+        try:
+            tokenizer.chat_template = template_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise UserError(
+                f"data.chat_template: {template_file}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset "
+                f"{err.start})"
+            ) from None
     if effective_chat_template(tokenizer) is None:
         raise UserError(f"{target_dir}: the tokenizer has no chat template; {CHAT_TEMPLATE_HINT}")
     return tokenizer
