@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from mtp_train.errors import UserError
@@ -31,6 +32,26 @@ STAGE_MODULES = [
 ]
 
 
+def exit_with_launcher() -> None:
+    """Under torchrun (TORCHELASTIC_RUN_ID set), have the kernel kill this worker when its launcher (the torchrun
+    agent, our parent) dies — a `kill -9` of torchrun would otherwise leave the workers training to the end (Linux
+    only: prctl PR_SET_PDEATHSIG; elsewhere nothing changes). If the launcher already died before the request took
+    effect, exit now."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return
+    if launcher == 1 or os.getppid() != launcher:  # reparented: the launcher is gone already
+        print("mtp-train: the torchrun launcher has exited; stopping this worker", file=sys.stderr)
+        os._exit(1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mtp-train",
@@ -44,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_with_launcher()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -6,11 +6,14 @@ unrolled losses → backward → DeepSpeed step; metric sums reduced over ranks)
 and `run_training`, the loop that ties them together (periodic held-out validation through the runtime's draft path,
 checkpoints, the summary). The run dir (`train.run_dir`, default `runs/<name>/`) holds
 `checkpoints/step-N/` (DeepSpeed + our client state), `metrics.jsonl`, `summary.json`, `recipe.resolved.yaml`,
-`wandb/` and, at the end, `head/` (native safetensors + head_config.json).
+`wandb/` and, at the end, `head/` (native safetensors + head_config.json); also `run_id` (which checkpoints belong to
+this run), `.lock` (one trainer at a time) and `previous-runs/` (what `--resume never` moved aside); see
+train/checkpoints.py.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -27,6 +30,21 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.fileio import read_json_object
 from mtp_train.recipe import flatten_recipe
+from mtp_train.train.checkpoints import (
+    CheckpointInfo,
+    RunDirLock,
+    UnreadableCheckpoint,
+    check_readable,
+    check_world_size,
+    disk_full_message,
+    files_to_load,
+    install_safe_loading,
+    is_disk_full,
+    read_checkpoint,
+    read_run_id,
+    run_checkpoints,
+    start_new_run,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +149,6 @@ def _choose_draft_vocab(head, target, features_dir: Path, source: str, is_main: 
     return share
 
 
-def _checkpoints(ckpt_dir: Path) -> list[Path]:
-    found = [p for p in ckpt_dir.glob("step-*") if p.is_dir() and (p / "client_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # the run: set-up, resume, one optimizer step, checkpoint, head files; `run_training` ties them together
 # ---------------------------------------------------------------------------------------------------------------
@@ -159,6 +172,8 @@ class TrainingRun:
     engine: Any  # deepspeed engine; engine.module is the DraftHead
     total_steps: int
     draft_vocab_coverage: float | None
+    run_id: str | None = None  # set by resume_from_checkpoint; None: resumed a checkpoint older than run ids
+    tokens_before: int = 0  # tokens (all ranks) trained on before this session, from the resumed checkpoint
 
     @property
     def is_main(self) -> bool:
@@ -216,7 +231,8 @@ def setup(recipe) -> TrainingRun:
     target = load_model(recipe.target.path, dtype=precision.dtype, device=device)
     fingerprint = target_fingerprint(recipe.target.path)
     readers_kwargs = dict(micro_batch_tokens=train.micro_batch_tokens, rank=rank, world_size=world_size,
-                          seed=train.seed, expected_fingerprints={"target": fingerprint})
+                          seed=train.seed, expected_fingerprints={"target": fingerprint},
+                          target_dir=recipe.target.path, chat_template=recipe.data.chat_template)
     train_reader = FeatureReader(recipe.features_dir, "train", dtype=target.dtype, **readers_kwargs)
     eval_reader = FeatureReader(recipe.features_dir, "eval", dtype=target.dtype,
                                 **{**readers_kwargs, "rank": 0, "world_size": 1})
@@ -237,31 +253,77 @@ def setup(recipe) -> TrainingRun:
     use_bf16 = precision.dtype == "bfloat16"  # DeepSpeed's bf16 section only when training computes in bf16
     engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(recipe, world_size, use_bf16))
+    install_safe_loading(engine)  # DeepSpeed's own loader unpickles with weights_only=False
     return TrainingRun(recipe, rank, world_size, device, precision, target, fingerprint, train_reader, eval_reader,
                        head_config, engine, total_steps, draft_vocab_coverage)
 
 
-def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool = False) -> tuple[int, bool]:
-    """Load the checkpoint `resume` names ("auto": the run dir's latest, if any; "never"; or a checkpoint
-    directory) into the engine, the reader and the RNGs; prepare the run dir (resolved recipe, metrics cut back to
-    the checkpoint). Returns the optimizer step to start from and whether a checkpoint was loaded."""
+def _choose_checkpoint(run: TrainingRun, resume: str) -> CheckpointInfo | None:
+    """The checkpoint to resume from: "auto" → this run's newest checkpoint whose files every rank can read (an
+    unreadable one — truncated by a kill or a full disk — is skipped with a note), "never" → None, else the named
+    checkpoint directory (refused by name when unreadable). A checkpoint saved by another world size is refused."""
     import torch.distributed as dist
 
+    if resume == "never":
+        return None
+    if resume == "auto":
+        candidates = run_checkpoints(run.checkpoint_dir, read_run_id(run.run_dir))[::-1]  # newest first
+    else:
+        named = read_checkpoint(Path(resume))
+        if named is None:
+            raise UserError(f"{resume}: not a checkpoint of this trainer (no readable client_state.json)")
+        candidates = [named]
+    zero_stage = run.recipe.train.zero_stage
+    for candidate in candidates:
+        check_world_size(candidate, run.world_size, zero_stage)
+        try:
+            check_readable(files_to_load(candidate.path, run.rank, zero_stage))
+            problem = None
+        except UnreadableCheckpoint as err:
+            problem = str(err)
+        problems: list[str | None] = [None] * run.world_size
+        dist.all_gather_object(problems, problem)  # every rank takes the same decision
+        problem = next((p for p in problems if p), None)
+        if problem is None:
+            return candidate
+        if resume != "auto":
+            raise UserError(f"{candidate.path}: cannot resume from this checkpoint: {problem}")
+        if run.is_main:
+            print(f"train: skipping checkpoint {candidate.path.name}: {problem}", flush=True)
+    if candidates:
+        raise UserError(f"{run.checkpoint_dir}: none of this run's checkpoints is complete "
+                        f"({', '.join(c.path.name for c in candidates)}); rerun with --resume never to start over")
+    return None
+
+
+def _tokens_before(checkpoint: CheckpointInfo, metrics_path: Path) -> int:
+    """Tokens trained on up to the checkpoint: its client state's count, or (checkpoints written before that count
+    existed) the sum over the metric rows up to its step."""
+    if "tokens" in checkpoint.state:
+        return int(checkpoint.state["tokens"])
+    if not metrics_path.is_file():
+        return 0
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    return sum(int(r.get("tokens", 0)) for r in rows if r.get("step", 0) <= checkpoint.step)
+
+
+def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool = False) -> tuple[int, bool]:
+    """Load the checkpoint `resume` names ("auto": this run's latest complete one, if any; "never"; or a checkpoint
+    directory) into the engine, the reader and the RNGs; prepare the run dir (resolved recipe; metrics cut back to
+    the checkpoint, or — for a new run — the previous run's files moved aside and a new run id). Returns the
+    optimizer step to start from and whether a checkpoint was loaded."""
+    import torch.distributed as dist
+
+    from mtp_train.fileio import atomic_write_text
     from mtp_train.recipe import RESOLVED_RECIPE_FILENAME, recipe_to_dict, save_resolved
     from mtp_train.train.tracking import truncate_metrics
 
-    checkpoint: Path | None = None
-    if resume == "auto":
-        existing = _checkpoints(run.checkpoint_dir)
-        checkpoint = existing[-1] if existing else None
-    elif resume != "never":
-        checkpoint = Path(resume)
-        if not (checkpoint / "client_state.json").is_file():
-            raise UserError(f"{checkpoint}: not a checkpoint of this trainer (no client_state.json)")
+    chosen = _choose_checkpoint(run, resume)
     start_step = 0
-    if checkpoint is not None:
+    if chosen is not None:
         import yaml
 
+        checkpoint = chosen.path
         saved_recipe_path = run.run_dir / RESOLVED_RECIPE_FILENAME
         if saved_recipe_path.is_file():
             saved = yaml.safe_load(saved_recipe_path.read_text())
@@ -274,27 +336,36 @@ def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool =
         load_path, client = run.engine.load_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
         if load_path is None:
             raise UserError(f"{checkpoint}: DeepSpeed could not load this checkpoint")
-        state = read_json_object(checkpoint / "client_state.json", "the trainer's client state")
-        run.train_reader.load_state_dict(state["reader"])
+        run.train_reader.load_state_dict(chosen.state["reader"])
         _set_rng_state(client["rng"][run.rank] if isinstance(client.get("rng"), list) else client["rng"])
-        start_step = state["step"]
+        start_step = chosen.step
         if run.is_main:
             print(f"train: resumed from {checkpoint} at step {start_step}")
+    # A checkpoint of another run dir seeds a new run here; otherwise the run continues under its checkpoint's id.
+    continues = chosen is not None and chosen.path.parent.resolve() == run.checkpoint_dir.resolve()
+    run_id = [chosen.run_id if continues else None]
     if run.is_main:
-        run.run_dir.mkdir(parents=True, exist_ok=True)
+        if not continues:
+            run_id[0], backup = start_new_run(run.run_dir)
+            if backup is not None:
+                print(f"train: a new run in {run.run_dir}: the previous run's checkpoints, metrics, summary and "
+                      f"head were moved to {backup} (delete it when no longer needed)", flush=True)
+        elif run_id[0] is not None and read_run_id(run.run_dir) != run_id[0]:
+            atomic_write_text(run.run_dir / "run_id", run_id[0] + "\n")  # resumed one of its older checkpoints
         save_resolved(run.recipe, run.run_dir)
-        if checkpoint is None:
-            for stale in ("metrics.jsonl", "summary.json"):
-                (run.run_dir / stale).unlink(missing_ok=True)
-        else:
+        if chosen is not None:
             truncate_metrics(run.run_dir / "metrics.jsonl", start_step)
+            run.tokens_before = _tokens_before(chosen, run.run_dir / "metrics.jsonl") if continues else 0
+    dist.broadcast_object_list(run_id, src=0)
+    run.run_id = run_id[0]
     dist.barrier()
-    return start_step, checkpoint is not None
+    return start_step, chosen is not None
 
 
-def save_checkpoint(run: TrainingRun, step: int, tag: str | None = None) -> Path:
-    """DeepSpeed's checkpoint plus our client state (step, reader position, every rank's RNGs); keeps the last
-    `train.keep_last`. Collective."""
+def save_checkpoint(run: TrainingRun, step: int, tag: str | None = None, tokens: int = 0) -> Path:
+    """DeepSpeed's checkpoint plus our client state (step, run id, world size, tokens so far, reader position, every
+    rank's RNGs; written last, so a checkpoint without it is incomplete); keeps this run's last `train.keep_last`.
+    A full disk removes the partial checkpoint and says what to free. Collective."""
     import torch.distributed as dist
 
     from mtp_train.fileio import write_json_atomic
@@ -302,13 +373,22 @@ def save_checkpoint(run: TrainingRun, step: int, tag: str | None = None) -> Path
     tag = tag or f"step-{step}"
     rngs = [None] * run.world_size
     dist.all_gather_object(rngs, _rng_state())
-    run.engine.save_checkpoint(str(run.checkpoint_dir), tag=tag, client_state={"rng": rngs})
     path = run.checkpoint_dir / tag
+    try:
+        run.engine.save_checkpoint(str(run.checkpoint_dir), tag=tag, client_state={"rng": rngs})
+        if run.is_main:
+            write_json_atomic(path / "client_state.json", {
+                "step": step, "run_id": run.run_id, "world_size": run.world_size, "tokens": tokens,
+                "reader": run.train_reader.state_dict(), "target_fingerprint": run.fingerprint})
+    except (OSError, RuntimeError, UserError) as err:
+        if not is_disk_full(err):
+            raise
+        shutil.rmtree(path, ignore_errors=True)
+        older = [c.path for c in run_checkpoints(run.checkpoint_dir, run.run_id)]
+        raise UserError(disk_full_message(path, older)) from None
     if run.is_main:
-        write_json_atomic(path / "client_state.json", {"step": step, "reader": run.train_reader.state_dict(),
-                                                       "target_fingerprint": run.fingerprint})
-        for old in _checkpoints(run.checkpoint_dir)[: -run.recipe.train.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in run_checkpoints(run.checkpoint_dir, run.run_id)[: -run.recipe.train.keep_last]:
+            shutil.rmtree(old.path, ignore_errors=True)
     dist.barrier()
     return path
 
@@ -393,7 +473,20 @@ def _measure_peak_gflops(run: TrainingRun) -> float | None:
 
 def run_training(recipe, resume: str = "auto", force: bool = False, show_progress: bool = True) -> Path:
     """Train the head of `recipe`. resume: "auto" (continue from the run dir's latest checkpoint if any), "never",
-    or a checkpoint directory. Returns the run dir. Collective under torchrun."""
+    or a checkpoint directory. Returns the run dir. Collective under torchrun; rank 0 holds the run dir's lock
+    (a second trainer there fails at once, naming the holder)."""
+    lock = RunDirLock(Path(recipe.run_dir)) if int(os.environ.get("RANK", "0")) == 0 else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        return _train(recipe, resume, force, show_progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(recipe, resume: str, force: bool, show_progress: bool) -> Path:
+    """run_training's body, under the run dir's lock."""
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -409,7 +502,8 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
                     disable=not (run.is_main and show_progress), dynamic_ncols=True)
     peak_gflops = _measure_peak_gflops(run)
     started = time.perf_counter()
-    tokens_seen, flops_seen = 0, 0.0
+    tokens_seen, flops_seen = 0, 0.0  # this rank's, this session
+    run_tokens = run.tokens_before  # all ranks', the whole run (rank 0 knows the count before this session)
     # Where a rank's training time goes (seconds): reading features, the unrolled losses (head forward, logits
     # chunks with their gradient), backward through the head, DeepSpeed's step, held-out validation, checkpoints.
     time_split = dict.fromkeys(("data", "forward", "backward", "step", "validation", "checkpoint"), 0.0)
@@ -423,10 +517,12 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
         for part, spent in result.seconds.items():
             time_split[part] += spent
         tokens_seen += result.tokens
+        run_tokens += int(result.totals["tokens"])
         flops_seen += result.flops
         totals = result.totals
         if not math.isfinite(totals["loss"]):
-            path = save_checkpoint(run, step - 1, tag=f"nan-step-{step}")
+            path = save_checkpoint(run, step - 1, tag=f"nan-step-{step}",
+                                   tokens=run_tokens - int(result.totals["tokens"]))
             raise UserError(f"loss is {totals['loss']} at step {step}; stopped, state before it saved at {path} "
                             "(lower train.lr, raise train.warmup_steps, or check the features)")
         row = {"loss": totals["loss"] / run.world_size, "lr": run.engine.get_lr()[0],
@@ -445,7 +541,7 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
         progress.update(1)
         if step % train.save_every == 0 or step == run.total_steps:
             t0 = time.perf_counter()
-            save_checkpoint(run, step)
+            save_checkpoint(run, step, tokens=run_tokens)
             time_split["checkpoint"] += time.perf_counter() - t0
     progress.close()
 
@@ -458,7 +554,9 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
         speed = {"gflops": round(gflops, 2), "peak_gflops": None if peak_gflops is None else round(peak_gflops, 2),
                  "fraction_of_peak": None if peak_gflops is None else round(gflops / peak_gflops, 4)}
         vocab_size = run.target.config.vocab_size
-        summary = {"steps": step, "tokens": tokens_seen * run.world_size, "train_seconds": train_seconds, **speed,
+        # steps and tokens count the whole run (resumed sessions included); the times and speeds this session's.
+        summary = {"steps": step, "tokens": run_tokens, "resumed_at_step": start_step,
+                   "session_tokens": run_tokens - run.tokens_before, "train_seconds": train_seconds, **speed,
                    "time_split_rank0": {k: round(v, 1) for k, v in time_split.items()},
                    "world_size": run.world_size, "head_dir": str(head_dir), "target_fingerprint": run.fingerprint,
                    "compute_dtype": run.precision.dtype, "precision_reason": run.precision.reason,
