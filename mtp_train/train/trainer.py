@@ -131,6 +131,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
+def _skip_deepspeed_shm_build() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (`deepspeed_shm_comm`) when it initializes
+    the process group. Only DeepSpeed-Inference's `inference_all_reduce` uses it; training reduces through
+    torch.distributed (gloo). The build costs about a minute of the 2 cores in every fresh environment (CI, a fresh
+    clone's `make demo`), so the trainer tells DeepSpeed the op is unavailable, which is DeepSpeed's own fallback when
+    the op cannot be built."""
+    import importlib
+
+    # import_module, not `import deepspeed.comm.torch as ...`: the package's `torch` attribute is the torch library.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
 def _choose_draft_vocab(head, target, features_dir: Path, source: str, is_main: bool) -> float:
     """Set the head's draft vocabulary to the top-N labels of the training features (counted by all ranks together
     and cached next to the features); returns the coverage of the counted labels."""
@@ -215,6 +227,7 @@ def setup(recipe) -> TrainingRun:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
+    _skip_deepspeed_shm_build()
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if use_cuda else torch.device("cpu")
