@@ -53,27 +53,3 @@ def target_fingerprint(model_dir: str | Path) -> str:
         _hash_weights(weights, hasher)
     return hasher.hexdigest()[:16]
 
-
-def tokenizer_fingerprint(model_dir: str | Path, chat_template_path: str | Path | None = None) -> str:
-    """The tokenizer hash `prepare` records for data tokenized with `model_dir`'s tokenizer (prepared fingerprint's
-    `tokenizer_hash`, the feature manifest's `fingerprints.tokenizer`): the same loader and the same hash, so a
-    target whose token ids mean what the prepared data's ids mean gives the equal value. `chat_template_path` is the
-    recipe's `data.chat_template` (it replaces the tokenizer's own template, and the template is part of the hash)."""
-    from mtp_train.data.prepared import tokenizer_hash
-    from mtp_train.data.templating import effective_chat_template, load_chat_tokenizer
-
-    tokenizer = load_chat_tokenizer(model_dir, chat_template_path)
-    return tokenizer_hash(model_dir, effective_chat_template(tokenizer))
-
-
-def tokenizer_mismatch(where: str | Path, data_hash: str, data_source: str | None, target_dir: str | Path,
-                       target_hash: str) -> str:
-    """The message for a target whose tokenizer is not the one that tokenized the data: both tokenizers named (path
-    and hash) and the two ways out."""
-    source = f" (that of {data_source})" if data_source else ""
-    return (
-        f"{where}: the data was tokenized by tokenizer {data_hash[:16]}{source}, but the target {target_dir} has "
-        f"tokenizer {target_hash[:16]}: its token ids mean other tokens, so features and a head trained on them "
-        "would be garbage. Re-run `mtp-train prepare` for this target (then `mtp-train precompute --force`), or use "
-        "the target the data was prepared with" + (f" (target.path={data_source})" if data_source else "")
-    )

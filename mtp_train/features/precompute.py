@@ -101,7 +101,7 @@ def _header(recipe, prepared, target_fp: str, world_size: int, hidden_size: int)
 
 def _check_tokenizer(recipe, prepared) -> None:
     """Refuse a target whose tokenizer is not the one that tokenized the prepared data (same hash as `prepare`)."""
-    from mtp_train.fingerprint import tokenizer_fingerprint, tokenizer_mismatch
+    from mtp_train.data.prepared import tokenizer_fingerprint, tokenizer_mismatch
 
     data_tokenizer = prepared.fingerprint.get("tokenizer_hash")
     if data_tokenizer is None:

@@ -19,7 +19,7 @@ from mtp_train.features.checks import is_shard_name, shard_header, shard_problem
 from mtp_train.features.format import MANIFEST_FILENAME, decode_hidden, load_manifest
 from mtp_train.errors import UserError
 from mtp_train.fileio import file_sha256
-from mtp_train.fingerprint import tokenizer_fingerprint, tokenizer_mismatch
+from mtp_train.data.prepared import tokenizer_fingerprint, tokenizer_mismatch
 
 
 @dataclass
