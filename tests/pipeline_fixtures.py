@@ -86,3 +86,12 @@ def tiny_pipeline(root: Path, num_conversations: int = 40, seed: int = 0, **extr
     recipe = load_recipe(RECIPE_PATH, overrides)
     prepare_dataset(recipe, show_progress=False)
     return recipe, overrides
+
+
+def tiny_features(root: Path, num_conversations: int = 40, **extra):
+    """`tiny_pipeline` followed by `precompute` (one process): (recipe, overrides) with a complete feature cache."""
+    from mtp_train.features.precompute import run_precompute
+
+    recipe, overrides = tiny_pipeline(root, num_conversations, **extra)
+    run_precompute(recipe)
+    return recipe, overrides

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from mtp_train.data.prepared import tokenizer_fingerprint
 from mtp_train.errors import UserError
 from mtp_train.features.precompute import run_precompute
 from mtp_train.features.reader import FeatureReader
@@ -22,7 +23,7 @@ from mtp_train.features.verify import verify_features
 from mtp_train.fingerprint import target_fingerprint
 from mtp_train.recipe import load_recipe
 from tests.conftest_data import SMOLLM2_CHATML_TEMPLATE, build_tokenizer
-from tests.pipeline_fixtures import RECIPE_PATH, tiny_pipeline
+from tests.pipeline_fixtures import RECIPE_PATH, tiny_features
 from tests.tiny_models import save_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,8 +44,7 @@ def _other_tokenizer_target(directory: Path) -> Path:
 def cache(tmp_path_factory):
     """(root, recipe, overrides) of a tiny prepared pipeline and its complete feature cache (read only)."""
     root = tmp_path_factory.mktemp("faults-features")
-    recipe, overrides = tiny_pipeline(root, num_conversations=24)
-    run_precompute(recipe)
+    recipe, overrides = tiny_features(root, num_conversations=24)
     return root, recipe, overrides
 
 
@@ -74,6 +74,10 @@ def test_target_with_another_tokenizer_is_refused_everywhere(cache, tmp_path, mo
                                      for p in report.problems), report.problems
     with pytest.raises(UserError, match="the data was tokenized by tokenizer"):
         FeatureReader(features, expected_fingerprints={"target": target_fingerprint(other)}, target_dir=other)
+    with pytest.raises(UserError, match="the data was tokenized by tokenizer") as refused:  # the trainer's way
+        FeatureReader(features, expected_fingerprints={"target": target_fingerprint(other),
+                                                       "tokenizer": tokenizer_fingerprint(other)}, target_dir=other)
+    assert str(other) in str(refused.value)
     # The target the data was prepared with passes all three.
     assert verify_features(root / "features", recipe.target.path, progress=False).ok
     FeatureReader(root / "features", target_dir=recipe.target.path)

@@ -21,12 +21,11 @@ import pytest
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.features.precompute import run_precompute
 from mtp_train.recipe import load_recipe
-from tests.pipeline_fixtures import free_port, tiny_pipeline
+from tests.pipeline_fixtures import RECIPE_PATH, free_port, tiny_features
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPE = REPO / "recipes" / "smollm2-135m-mtp.yaml"
+RECIPE = RECIPE_PATH
 TRAIN = {"train.micro_batch_tokens": 256, "train.warmup_steps": 2, "train.lr": 3e-3, "train.zero_stage": 2,
          "train.eval_every": 100, "train.save_every": 2}
 
@@ -34,8 +33,7 @@ TRAIN = {"train.micro_batch_tokens": 256, "train.warmup_steps": 2, "train.lr": 3
 @pytest.fixture(scope="module")
 def features(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults-train")
-    recipe, overrides = tiny_pipeline(root, num_conversations=40, **TRAIN)
-    run_precompute(recipe)
+    _, overrides = tiny_features(root, num_conversations=40, **TRAIN)
     return root, overrides
 
 

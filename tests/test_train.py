@@ -17,7 +17,7 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.features.precompute import run_precompute
 from mtp_train.recipe import load_recipe
-from tests.pipeline_fixtures import free_port, tiny_pipeline
+from tests.pipeline_fixtures import free_port, tiny_features, tiny_pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "smollm2-135m-mtp.yaml"
@@ -43,8 +43,7 @@ def _head_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def features(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    recipe, overrides = tiny_pipeline(root, num_conversations=60, **TRAIN)
-    run_precompute(recipe)
+    _, overrides = tiny_features(root, num_conversations=60, **TRAIN)
     return root, overrides
 
 

@@ -64,16 +64,16 @@ class FeatureReader:
         data_tokenizer = self.manifest["fingerprints"]["tokenizer"]
         for key, value in (expected_fingerprints or {}).items():
             have = self.manifest["fingerprints"].get(key)
-            if value is None or have == value:
+            if value is None or have == value or (key == "tokenizer" and have is None):  # None: an older cache
                 continue
-            if key == "tokenizer" and have is not None:
+            if key == "tokenizer":
                 raise UserError(tokenizer_mismatch(manifest_path, have, self.manifest.get("tokenizer_source"),
                                                    target_dir or "of this run", value))
             raise UserError(
                 f"{manifest_path}: fingerprint '{key}' is {have}, expected {value} "
                 "(features were computed for another target/data; re-run precompute for this recipe)"
             )
-        if target_dir is not None and data_tokenizer is not None:
+        if target_dir is not None and data_tokenizer is not None and "tokenizer" not in (expected_fingerprints or {}):
             target_tokenizer = tokenizer_fingerprint(target_dir, chat_template)
             if target_tokenizer != data_tokenizer:
                 raise UserError(tokenizer_mismatch(manifest_path, data_tokenizer,

@@ -5,7 +5,7 @@ them before DeepSpeed reads them, and one trainer per run dir.
   every checkpoint's `client_state.json`. Auto-resume and `train.keep_last` pruning only ever consider checkpoints
   carrying the run dir's id. The previous run's checkpoints, metrics, summary and head are moved aside into
   `<run dir>/previous-runs/<time>/` (nothing is deleted), so neither can mistake them for the new run's.
-- Safe loading: DeepSpeed's TorchCheckpointEngine calls `torch.load(weights_only=False)`, which runs whatever a
+- Safe loading: DeepSpeed's TorchCheckpointEngine unpickles without the weights-only guard, which runs whatever a
   pickled object's `__reduce__` says. `SafeTorchCheckpointEngine` loads with `weights_only=True`, allow-listing
   exactly the classes DeepSpeed (and our client state) store; anything else is refused naming the file.
 - Checks before loading: every file this rank will read exists and is a complete zip archive (CRC-checked), and the

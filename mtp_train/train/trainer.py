@@ -214,6 +214,7 @@ def setup(recipe) -> TrainingRun:
     import torch.distributed as dist
 
     from mtp_train.features.reader import FeatureReader
+    from mtp_train.data.prepared import tokenizer_fingerprint
     from mtp_train.fingerprint import target_fingerprint
     from mtp_train.heads import DraftHead
     from mtp_train.recipe import with_precision
@@ -243,9 +244,11 @@ def setup(recipe) -> TrainingRun:
     # Target (frozen: only embed_tokens and lm_head are used, by reference) and the head.
     target = load_model(recipe.target.path, dtype=precision.dtype, device=device)
     fingerprint = target_fingerprint(recipe.target.path)
+    # The target's tokenizer must be the one that tokenized the data; hashed once for both readers.
+    tokenizer = tokenizer_fingerprint(recipe.target.path, recipe.data.chat_template)
     readers_kwargs = dict(micro_batch_tokens=train.micro_batch_tokens, rank=rank, world_size=world_size,
-                          seed=train.seed, expected_fingerprints={"target": fingerprint},
-                          target_dir=recipe.target.path, chat_template=recipe.data.chat_template)
+                          seed=train.seed, expected_fingerprints={"target": fingerprint, "tokenizer": tokenizer},
+                          target_dir=recipe.target.path)
     train_reader = FeatureReader(recipe.features_dir, "train", dtype=target.dtype, **readers_kwargs)
     eval_reader = FeatureReader(recipe.features_dir, "eval", dtype=target.dtype,
                                 **{**readers_kwargs, "rank": 0, "world_size": 1})
@@ -266,7 +269,7 @@ def setup(recipe) -> TrainingRun:
     use_bf16 = precision.dtype == "bfloat16"  # DeepSpeed's bf16 section only when training computes in bf16
     engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(recipe, world_size, use_bf16))
-    install_safe_loading(engine)  # DeepSpeed's own loader unpickles with weights_only=False
+    install_safe_loading(engine)  # DeepSpeed's own loader would unpickle arbitrary objects
     return TrainingRun(recipe, rank, world_size, device, precision, target, fingerprint, train_reader, eval_reader,
                        head_config, engine, total_steps, draft_vocab_coverage)
 
