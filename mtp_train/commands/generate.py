@@ -52,6 +52,7 @@ def _default_target() -> str:
 def check_generate_args(args: argparse.Namespace) -> None:
     """Refuse degenerate `generate` arguments by name before any model is loaded (raises UserError)."""
     from mtp_train.errors import UserError
+    from mtp_train.runtime.spec.engine import MAX_SPECULATIVE_TOKENS
 
     if not args.prompt.strip():
         raise UserError(f"--prompt is empty{' (only whitespace)' if args.prompt else ''}: give the user message")
@@ -64,8 +65,9 @@ def check_generate_args(args: argparse.Namespace) -> None:
             raise UserError(f"{option} must be a finite number, got {value}")
     if not -(2**63) <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
         raise UserError(f"--seed must be in -2**63 .. 2**64-1, got {args.seed}")
-    if (args.head or args.draft) and not 1 <= args.num_speculative_tokens <= 8:
-        raise UserError(f"--num-speculative-tokens must be in 1..8, got {args.num_speculative_tokens}")
+    if (args.head or args.draft) and not 1 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise UserError(f"--num-speculative-tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
+                        f"got {args.num_speculative_tokens}")
 
 
 def run_generate(args: argparse.Namespace) -> int:
