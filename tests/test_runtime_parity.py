@@ -161,3 +161,49 @@ def test_hidden_states_and_aux_layers(arch):
     # HF: hidden_states[0] = embeddings, [j+1] = output of layer j, [-1] = final output after the norm.
     assert (out.hidden - hf_out.hidden_states[-1][0]).abs().max() <= TOL
     assert (out.aux_hidden[0] - hf_out.hidden_states[1][0]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("batch_size", [8, 32])
+def test_batched_decode_and_verify_with_ragged_lengths(arch, batch_size):
+    """Serving-size batches: `batch_size` sequences of different lengths prefilled together, two decode steps and a
+    verify of 3 tokens for all of them in one forward each (on the kernels path, 32 rows and more are the many-row
+    path: GEMMs on the fp32 weights, attention over the pages in place), then a ragged step after a truncation; every
+    row within TOL of transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model, _, _ = arch
+    gen = torch.Generator().manual_seed(batch_size)
+    lengths = torch.randint(8, 30, (batch_size,), generator=gen).tolist()
+    sequences = [torch.randint(2, 96, (n,), generator=gen).tolist() for n in lengths]
+    hf = AutoModelForCausalLM.from_pretrained(
+        model.config.hf_config._name_or_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        references = [hf(torch.tensor([ids])).logits[0].float() for ids in sequences]
+    allocator = PageAllocator(sum(-(-n // 4) for n in lengths) + batch_size, page_size=4)
+    cache = model.new_kv_cache(allocator)
+    seqs = [Sequence(i) for i in range(batch_size)]
+    prompt_lens = [n - 7 for n in lengths]  # 7 more tokens: 1 + 1 + 3 verified (1 or 2 kept) + up to 3
+    model(torch.tensor([t for ids, p in zip(sequences, prompt_lens) for t in ids[:p]]),
+          BatchInfo.for_sequences(seqs, prompt_lens, allocator), cache)
+    done = list(prompt_lens)
+
+    def step(counts: list[int]) -> None:
+        new = [t for ids, d, c in zip(sequences, done, counts) for t in ids[d : d + c]]
+        logits = model(torch.tensor(new), BatchInfo.for_sequences(seqs, counts, allocator), cache).logits
+        expected = torch.cat([ref[d : d + c] for ref, d, c in zip(references, done, counts)])
+        assert (logits - expected).abs().max() <= TOL, counts
+        for b, c in enumerate(counts):
+            done[b] += c
+
+    step([1] * batch_size)
+    step([1] * batch_size)
+    step([3] * batch_size)  # a verify of 3 tokens per sequence
+    for b, seq in enumerate(seqs):  # keep 1 or 2 of the 3 verified tokens, as after rejections
+        keep = 1 + b % 2
+        seq.truncate(seq.num_cached - 3 + keep, allocator)
+        done[b] -= 3 - keep
+    step([1 + b % 3 for b in range(batch_size)])  # ragged: 1, 2 or 3 tokens per sequence
+    for seq in seqs:
+        seq.release(allocator)
+    assert allocator.num_free == allocator.num_pages

@@ -110,3 +110,34 @@ def test_auto_dtype_parity_with_transformers(real, auto_model):
         top2 = expected.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * decode_tol
         assert torch.equal(decoded.argmax(-1)[clear], expected.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("batch_size", [8, 32])
+def test_batched_decode_and_verify_match_transformers(real, smollm2_dir, batch_size):
+    """`batch_size` prompts of different lengths: one ragged prefill, a decode step and a verify of 3 tokens for
+    all of them, fp32 on the CPU decode path (the kernels for up to 16 rows, GEMMs on the same fp32 weights above,
+    attention over the pages in place either way), against transformers' logits of each prompt alone."""
+    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+
+    _, hf, _ = real
+    model = apply_decode_path(load_model(smollm2_dir, dtype="float32", device="cpu"), torch.float32, KERNEL_MAX_ROWS)
+    tokenizer = load_tokenizer(smollm2_dir)
+    texts = [f"{PROMPTS[i % len(PROMPTS)]} Answer in {i + 2} words." for i in range(batch_size)]
+    prompts = [tokenizer(text).input_ids for text in texts]  # 10-16 tokens each (no chat template: fewer FLOPs)
+    allocator = PageAllocator(sum(-(-len(p) // 16) for p in prompts) + batch_size, page_size=16)
+    cache = model.new_kv_cache(allocator)
+    seqs = [Sequence(i) for i in range(batch_size)]
+    prefix_lens = [len(p) - 4 for p in prompts]
+    model(torch.tensor([t for p, n in zip(prompts, prefix_lens) for t in p[:n]]),
+          BatchInfo.for_sequences(seqs, prefix_lens, allocator), cache)
+    decode = model(torch.tensor([p[n] for p, n in zip(prompts, prefix_lens)]),
+                   BatchInfo.for_sequences(seqs, [1] * batch_size, allocator), cache).logits
+    verify = model(torch.tensor([t for p, n in zip(prompts, prefix_lens) for t in p[n + 1 : n + 4]]),
+                   BatchInfo.for_sequences(seqs, [3] * batch_size, allocator), cache).logits.view(batch_size, 3, -1)
+    for b, (ids, n) in enumerate(zip(prompts, prefix_lens)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        assert (decode[b] - ref[n]).abs().max() <= TOL
+        assert (verify[b] - ref[n + 1 : n + 4]).abs().max() <= TOL
+    for seq in seqs:
+        seq.release(allocator)

@@ -25,6 +25,9 @@ from mtp_train.runtime.kernels import cpu_kernels
 from mtp_train.runtime.model import DecoderLayer
 
 KERNEL_MAX_ROWS = 16  # the kernels read the weights once per 8 rows; above 16 rows torch's GEMMs win (measured)
+MAX_QUERY_PER_SEQUENCE = 16  # cached forwards whose sequences each bring at most this many tokens (decode, verify,
+# draft steps) attend over the pages in place, whatever the batch size; longer ones (a cached prefill) keep the model's
+# own attention
 
 
 class SmallRowLinear:
@@ -81,6 +84,7 @@ class DecoderLayerKernel:
             return linear.weight.detach().to(dtype)
 
         self.ops, self.max_rows = ops, max_rows
+        self.layer = layer  # its fp32 weights serve batches of more than `max_rows` rows (torch's GEMMs)
         self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, attn.scale
         self.window = attn.sliding_window or 0
         self.qkv = torch.cat([weight(attn.q_proj), weight(attn.k_proj), weight(attn.v_proj)]).contiguous()
@@ -105,19 +109,45 @@ class DecoderLayerKernel:
         mlp, attn = layer.mlp, layer.self_attn
         return mlp.act is F.silu and mlp.gate_proj.in_features % 8 == 0 and attn.head_dim % 2 == 0
 
+    @staticmethod
+    def serves(batch: BatchInfo) -> bool:
+        """Whether this path computes `batch`: a cached forward whose sequences each bring a few tokens."""
+        return batch.uses_cache and max(batch.q_lens, default=0) <= MAX_QUERY_PER_SEQUENCE
+
     def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return self._many_rows(x, cos, sin, batch, layer_cache)
         ops = self.ops
         x = x.contiguous()  # [T, hidden] fp32
         h = ops.rms_norm(x, *self.input_norm) if self.input_norm is not None else x
         qkv = ops.linear(h, self.qkv, self.qkv_bias, None)  # [T, (heads + 2 kv_heads) * head_dim]
-        k_cache, v_cache = layer_cache
-        attn = ops.paged_attention(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.positions,
-                                   batch.qo_indptr, batch.kv_page_indptr, batch.kv_page_indices, self.num_heads,
-                                   self.num_kv_heads, self.scale, self.window, self.q_norm, self.k_norm, self.qk_eps)
+        attn = self._attend(qkv, cos, sin, batch, layer_cache)
         x = ops.linear(attn, self.o, self.o_bias, x)  # + residual
         h = ops.rms_norm(x, *self.post_norm)
         mlp_hidden = ops.linear_silu_mul(h, self.gate_up, self.gate_up_bias)  # [T, intermediate]
         return ops.linear(mlp_hidden, self.down, self.down_bias, x)  # + residual
+
+    def _attend(self, qkv: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
+        """RoPE (and q/k norms), the new K/V written to their slots, attention over each sequence's pages in place
+        (nothing gathered): [T, (heads + 2 kv_heads) * head_dim] -> [T, heads * head_dim]."""
+        k_cache, v_cache = layer_cache
+        return self.ops.paged_attention(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.positions,
+                                        batch.qo_indptr, batch.kv_page_indptr, batch.kv_page_indices, self.num_heads,
+                                        self.num_kv_heads, self.scale, self.window, self.q_norm, self.k_norm,
+                                        self.qk_eps)
+
+    def _many_rows(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
+        """A decode or verify batch of many sequences: the linears are GEMMs on the layer's own fp32 weights (at
+        this many rows compute, not the weight stream, is the limit, and MKL's GEMMs beat the few-row kernel), the
+        attention the same in-place paged kernel as above."""
+        ops, attn_module, mlp = self.ops, self.layer.self_attn, self.layer.mlp
+        x = x.contiguous()  # [T, hidden] fp32
+        h = ops.rms_norm(x, *self.input_norm) if self.input_norm is not None else x
+        qkv = torch.cat([attn_module.q_proj(h), attn_module.k_proj(h), attn_module.v_proj(h)], dim=-1)
+        attn = self._attend(qkv, cos, sin, batch, layer_cache)  # [T, heads * head_dim]
+        x = x + attn_module.o_proj(attn)
+        h = ops.rms_norm(x, *self.post_norm)
+        return x + mlp.down_proj(F.silu(mlp.gate_proj(h)).mul_(mlp.up_proj(h)))
 
 
 def apply_decode_path(model: nn.Module, dtype: torch.dtype, max_rows: int) -> nn.Module:

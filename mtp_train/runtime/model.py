@@ -136,7 +136,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, batch: BatchInfo, layer_cache, backend: AttentionBackend) -> torch.Tensor:
         kernel = self.decode_kernel
-        if kernel is not None and layer_cache is not None and x.shape[0] <= kernel.max_rows:
+        if kernel is not None and layer_cache is not None and kernel.serves(batch):
             return kernel(x, cos, sin, batch, layer_cache)
         attn_in = self.input_layernorm(x) if self.input_layernorm is not None else x
         x = x + self.self_attn(attn_in, cos, sin, batch, layer_cache, backend)
