@@ -208,6 +208,9 @@ class TrainSection(_Section):
     seed: int = 0
 
 
+MAX_EVAL_BATCH = 256
+
+
 class EvalSection(_Section):
     """Acceptance evaluation through the speculative inference path."""
 
@@ -218,6 +221,11 @@ class EvalSection(_Section):
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
     cost_curve: bool = Field(True, description="measure decode/verify/draft-step costs after the runs (a few "
                              "seconds) and report the speedup they predict per k (best k by cost curve)")
+    batch_sizes: list[int] = Field(
+        default_factory=lambda: [1], min_length=1,
+        description="answer the prompts this many at a time, each batch size in turn (e.g. [1, 4, 16]): τ, tokens/s "
+                    "and speedup per batch size in the report and a speedup-against-batch-size plot; the first one "
+                    "gives the main tables")
 
     @field_validator("num_speculative_tokens")
     @classmethod
@@ -225,6 +233,13 @@ class EvalSection(_Section):
         if any(count < 1 for count in counts):
             raise ValueError(f"expected counts >= 1, got {counts}")
         return counts
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _batch_sizes_in_range(cls, sizes: list[int]) -> list[int]:
+        if any(not 1 <= size <= MAX_EVAL_BATCH for size in sizes) or len(set(sizes)) != len(sizes):
+            raise ValueError(f"expected distinct batch sizes in 1..{MAX_EVAL_BATCH}, got {sizes}")
+        return sizes
 
 
 class WandbSection(_Section):

@@ -92,6 +92,37 @@ def test_eval_on_heldout_split_and_errors(setup):
         load_mt_bench(root / "missing.jsonl")
 
 
+def test_eval_at_several_batch_sizes(setup):
+    """`--batch-size 1 2 4`: the prompts answered 1, 2 and 4 at a time (two-turn conversations beside one-turn ones,
+    so a batch shrinks between turns); greedy output identical to plain decoding at every batch size; τ, mean
+    acceptance length, tokens/s and speedup per batch size in report.json/report.md and the speedup plot."""
+    root, recipe, _ = setup
+    prompts = root / "batch-prompts.jsonl"
+    rows = [{"question_id": i, "category": "c", "turns": [f"question {i} about data"] + ["and more?"] * (i % 2)}
+            for i in range(5)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = root / "report-batch"
+    report = evaluate(recipe, root / "head", None, prompts, None, [2], 10, out, show_progress=False,
+                      batch_sizes=(1, 2, 4))
+    assert report["settings"]["batch_sizes"] == [1, 2, 4] and report["settings"]["batch_size"] == 1
+    by_batch = report["by_batch_size"]
+    assert list(by_batch) == ["1", "2", "4"]
+    assert [by_batch[b]["sequences_per_call"] for b in by_batch] == [1, 2, 4]
+    assert by_batch["1"]["methods"]["mtp@k=2"]["tau"] == report["overall"]["mtp@k=2"]["tau"]
+    for entry in by_batch.values():
+        for method in ("mtp@k=2", "lookup@k=2"):
+            r = entry["methods"][method]
+            assert r["greedy_match"] is True and r["turns"] == 7  # 5 first turns + 2 second turns
+            assert 1.0 <= r["tau"] <= 3.0 and 1.0 <= r["mean_acceptance_length"] <= 3.0
+            assert r["speedup"] > 0 and r["tokens_per_s"] > 0
+        assert entry["methods"]["plain"]["turns"] == 7
+    # The same head and greedy decoding: the same tokens whatever the batch, so the same acceptance.
+    assert by_batch["4"]["methods"]["mtp@k=2"]["tau"] == by_batch["1"]["methods"]["mtp@k=2"]["tau"]
+    assert (out / "speedup_by_batch_size.png").stat().st_size > 0
+    markdown = (out / "report.md").read_text()
+    assert "## By batch size" in markdown and "batch 4 (4 per call)" in markdown
+
+
 def test_divergence_gap_reads_the_targets_logits_at_the_first_difference(setup):
     from mtp_train.evaluate.runner import divergence_gap
     from mtp_train.runtime.attention import BatchInfo

@@ -317,7 +317,9 @@ def _generate_args(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        ([], r"^give the user message with --prompt TEXT \(repeatable\) or --prompts-file FILE$"),
         (["--prompt", ""], r"^--prompt is empty: give the user message$"),
+        (["--prompt", "hi", "--prompt", " "], r"^--prompt is empty \(only whitespace\)"),
         (["--prompt", " \n\t"], r"^--prompt is empty \(only whitespace\): give the user message$"),
         (["--prompt", "hi", "--system", ""], r"^--system is empty"),
         (["--prompt", "hi", "--system", "  "], r"^--system is empty"),

@@ -285,6 +285,42 @@ def test_cli_generate_with_head_and_draft(tmp_path, capsys):
     assert "--num-speculative-tokens must be in 1..8" in capsys.readouterr().err
 
 
+def test_cli_generate_several_prompts_in_batches(tmp_path, capsys):
+    """`generate --prompts-file F --batch-size 2` (three prompts: batches of 2 and 1) prints one JSON line per prompt in
+    prompt order; plain and speculative replies are token-identical, and each equals the prompt decoded alone."""
+    from mtp_train.cli import main
+    from tests.pipeline_fixtures import make_tiny_target
+
+    target_dir = make_tiny_target(tmp_path / "target")
+    target = load_model(target_dir, dtype="float32", device="cpu")
+    head_dir = save_head(make_head(target, "last_layer"), tmp_path / "head")
+    prompts = ["hello world", "the model drafts tokens", "data cache"]
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(prompts[0] + "\n\n" + json.dumps({"prompt": prompts[1]}) + "\n"
+                            + json.dumps({"turns": [prompts[2], "later"]}) + "\n")
+    common = ["generate", "--target", str(target_dir), "--max-new-tokens", "10", "--dtype", "float32", "--device",
+              "cpu", "--json"]
+    capsys.readouterr()
+
+    def run(*extra: str) -> list[dict]:
+        assert main([*common, *extra]) == 0
+        return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+    plain = run("--prompts-file", str(prompts_file), "--batch-size", "2")
+    assert [row["index"] for row in plain] == [0, 1, 2] and [row["prompt"] for row in plain] == prompts
+    speculative = run("--prompts-file", str(prompts_file), "--batch-size", "2", "--head", str(head_dir))
+    assert [row["token_ids"] for row in speculative] == [row["token_ids"] for row in plain]
+    for row in plain:
+        alone = run("--prompt", row["prompt"])
+        assert alone[0]["token_ids"] == row["token_ids"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"turns": []}) + "\n")
+    assert main([*common, "--prompts-file", str(bad)]) == 2
+    assert f"{bad}:2: no user message" in capsys.readouterr().err
+    assert main([*common, "--prompt", "hi", "--batch-size", "0"]) == 2
+    assert "--batch-size must be in 1..256, got 0" in capsys.readouterr().err
+
+
 # ---- the real model ------------------------------------------------------------------------------------------------
 
 

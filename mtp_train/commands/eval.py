@@ -13,7 +13,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "eval",
         help="measure τ, acceptance and speedup through the speculative inference path",
-        description="Run plain and speculative decoding (same prompts, same settings, batch 1) and write "
+        description="Run plain and speculative decoding (same prompts, same settings; batch 1 unless --batch-size) and write "
         "report.json, report.md and PNG plots. Default draft: the recipe run's head (runs/<name>/head).",
     )
     add_recipe_args(p)
@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=None, metavar="K",
                    help="k values (default: eval.num_speculative_tokens)")
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="N",
+                   help="answer the prompts N at a time, for each N given (default: eval.batch_sizes, [1]); the "
+                        "report adds τ, tokens/s and speedup per batch size and speedup_by_batch_size.png")
     p.add_argument("--out", default=None, help="report directory (default: <run_dir>/eval)")
     p.add_argument("--run-dir", default=None, help="log the results into this run's metrics.jsonl / W&B")
     p.add_argument("--no-prompt-lookup", action="store_true",
@@ -34,7 +37,7 @@ def register(subparsers) -> None:
 
 def run_eval_command(args: argparse.Namespace) -> int:
     from mtp_train.errors import UserError
-    from mtp_train.recipe import recipe_from_args
+    from mtp_train.recipe import MAX_EVAL_BATCH, recipe_from_args
 
     recipe = recipe_from_args(args)
     run_dir = recipe.run_dir
@@ -45,13 +48,16 @@ def run_eval_command(args: argparse.Namespace) -> int:
     bad = [k for k in ks if not 1 <= k <= 8]
     if bad:
         raise UserError(f"--num-speculative-tokens: {bad} out of range; expected 1..8")
+    batch_sizes = args.batch_size or list(recipe.eval.batch_sizes)
+    if any(not 1 <= b <= MAX_EVAL_BATCH for b in batch_sizes) or len(set(batch_sizes)) != len(batch_sizes):
+        raise UserError(f"--batch-size: expected distinct sizes in 1..{MAX_EVAL_BATCH}, got {batch_sizes}")
     report = run_evaluation(
         recipe, head_dir=head_dir, draft_dir=args.draft, prompts_path=args.prompts or recipe.eval.prompts,
         limit=args.limit if args.limit is not None else recipe.eval.limit, ks=ks,
         max_new_tokens=args.max_new_tokens or recipe.eval.max_new_tokens,
         out_dir=Path(args.out) if args.out else run_dir / "eval",
         log_run_dir=Path(args.run_dir) if args.run_dir else (run_dir if head_dir == str(run_dir / "head") else None),
-        prompt_lookup=not args.no_prompt_lookup,
+        prompt_lookup=not args.no_prompt_lookup, batch_sizes=tuple(batch_sizes),
     )
     best = report.get("best", {})
     print(f"eval: plain {report['overall']['plain']['tokens_per_s']:.1f} tok/s; best {best.get('method')}: "
@@ -60,7 +66,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
 
 def run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_tokens, out_dir: Path,
-                   log_run_dir: Path | None = None, show_progress: bool = True, prompt_lookup: bool = True) -> dict:
+                   log_run_dir: Path | None = None, show_progress: bool = True, prompt_lookup: bool = True,
+                   batch_sizes: tuple[int, ...] = (1,)) -> dict:
     """Load the target (in the precision `auto` resolves to) and the draft: the head at `head_dir` (a trainer's head/
     or any export format) or the model at `draft_dir`; then `evaluate`."""
     from mtp_train.evaluate.evaluation import evaluate
@@ -80,4 +87,4 @@ def run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new
         method, kind, draft_path = "draft", "draft model (target–draft)", draft_dir
     return evaluate(recipe, target, tokenizer, precision, draft, method, kind, draft_path, prompts_path, limit, ks,
                     max_new_tokens, out_dir, log_run_dir, show_progress, prompt_lookup,
-                    cost_curve=recipe.eval.cost_curve)
+                    cost_curve=recipe.eval.cost_curve, batch_sizes=batch_sizes)

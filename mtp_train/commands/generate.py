@@ -2,7 +2,11 @@
 
 With `--head DIR` (a trained draft head: a trainer's head/ or any export format; MTP chain schedule) or `--draft DIR`
 (a smaller model with the target's tokenizer, target–draft schedule) it decodes speculatively; the output is the same
-as without (token-identical in greedy mode) and `--json` adds the acceptance statistics."""
+as without (token-identical in greedy mode) and `--json` adds the acceptance statistics.
+
+Several prompts (`--prompt` repeated, or `--prompts-file`) are decoded `--batch-size` at a time, plain or
+speculatively: each sequence accepts its own number of drafts, and a finished one leaves the batch and frees its
+pages. Replies print in prompt order (`--json`: one JSON object per line)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,13 @@ def register(subparsers) -> None:
         description="Apply the target's chat template to PROMPT and decode with our paged runtime.",
     )
     p.add_argument("--target", default=None, help="HF model directory (default: the fetched SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", required=True, help="user message")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="user message (repeat for several prompts, decoded in batches of --batch-size)")
+    p.add_argument("--prompts-file", default=None, metavar="FILE",
+                   help="one user message per line (plain text), or JSONL rows with a `prompt` string or MT-bench "
+                        "`turns` (the first turn is used)")
+    p.add_argument("--batch-size", type=int, default=16, metavar="N",
+                   help="prompts decoded together when there are several (default 16)")
     p.add_argument("--system", default=None, help="optional system message")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -54,8 +64,13 @@ def check_generate_args(args: argparse.Namespace) -> None:
     from mtp_train.errors import UserError
     from mtp_train.runtime.spec.engine import MAX_SPECULATIVE_TOKENS
 
-    if not args.prompt.strip():
-        raise UserError(f"--prompt is empty{' (only whitespace)' if args.prompt else ''}: give the user message")
+    if not args.prompt and not args.prompts_file:
+        raise UserError("give the user message with --prompt TEXT (repeatable) or --prompts-file FILE")
+    for prompt in args.prompt or []:
+        if not prompt.strip():
+            raise UserError(f"--prompt is empty{' (only whitespace)' if prompt else ''}: give the user message")
+    if not 1 <= args.batch_size <= MAX_GENERATE_BATCH:
+        raise UserError(f"--batch-size must be in 1..{MAX_GENERATE_BATCH}, got {args.batch_size}")
     if args.system is not None and not args.system.strip():
         raise UserError("--system is empty: give the system message, or leave --system out for none")
     if args.max_new_tokens < 1:
@@ -68,6 +83,41 @@ def check_generate_args(args: argparse.Namespace) -> None:
     if (args.head or args.draft) and not 1 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise UserError(f"--num-speculative-tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
                         f"got {args.num_speculative_tokens}")
+
+
+MAX_GENERATE_BATCH = 256
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """The user messages of `--prompts-file`: plain-text lines, or JSONL rows with `prompt` or `turns` (first turn).
+    Blank lines are skipped; a row without a message is a UserError naming the file and line."""
+    from pathlib import Path
+
+    from mtp_train.errors import UserError
+
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--prompts-file {path}: file not found")
+    prompts = []
+    for line_number, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if not line.lstrip().startswith("{"):
+            prompts.append(line)
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{line_number}: invalid JSON ({err})") from None
+        message = row.get("prompt") if isinstance(row.get("prompt"), str) else (
+            row["turns"][0] if isinstance(row.get("turns"), list) and row["turns"] and isinstance(row["turns"][0], str)
+            else None)
+        if message is None or not message.strip():
+            raise UserError(f"{path}:{line_number}: no user message: expected a non-empty `prompt` string or `turns`")
+        prompts.append(message)
+    if not prompts:
+        raise UserError(f"--prompts-file {path}: no prompts in it")
+    return prompts
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -90,10 +140,9 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"[{precision.describe()}]", file=sys.stderr)
     model = load_model(target, device=device, precision=precision)
     tokenizer = load_tokenizer(target)
-    messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
-        {"role": "user", "content": args.prompt}
-    ]
-    prompt_ids = encode_chat(tokenizer, messages, target)
+    user_messages = list(args.prompt or []) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    prompt_ids = [encode_chat(tokenizer, system + [{"role": "user", "content": m}], target) for m in user_messages]
     stops = stop_token_ids(tokenizer, model.config)
 
     draft = None
@@ -102,32 +151,57 @@ def run_generate(args: argparse.Namespace) -> int:
 
         draft = load_draft(model, tokenizer, precision, head=args.head, draft_model=args.draft)
 
-    streamer = None if args.json else TextStreamer(tokenizer)
-    on_tokens = (lambda _i, ids: streamer.push(ids)) if streamer else None
-    options = dict(stop_token_ids=stops, seed=args.seed, on_tokens=on_tokens)
-    if draft is None:
-        results, stats = generate(model, [prompt_ids], args.max_new_tokens, sampling, **options)
-    else:
+    def decode(batch_ids: list[list[int]], on_tokens):
+        options = dict(stop_token_ids=stops, seed=args.seed, on_tokens=on_tokens)
+        if draft is None:
+            return generate(model, batch_ids, args.max_new_tokens, sampling, **options)
         from mtp_train.runtime.spec import speculative_generate
 
-        results, stats = speculative_generate(
-            model, draft, [prompt_ids], args.max_new_tokens, args.num_speculative_tokens, sampling, **options
-        )
-    token_ids = results[0].token_ids
-    if token_ids and token_ids[-1] in stops:
-        token_ids = token_ids[:-1]
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    if args.json:
-        print(json.dumps({
-            "text": text, "token_ids": token_ids, "num_tokens": len(token_ids),
-            "finish_reason": results[0].finish_reason, "tokens_per_s": round(stats.tokens_per_s, 2),
-            "prompt_tokens": len(prompt_ids), **({"stats": stats.to_dict()} if draft is not None else {}),
-        }))
-    else:
-        streamer.finish()
+        return speculative_generate(model, draft, batch_ids, args.max_new_tokens, args.num_speculative_tokens,
+                                    sampling, **options)
+
+    def reply_text(token_ids: list[int]) -> tuple[list[int], str]:
+        if token_ids and token_ids[-1] in stops:
+            token_ids = token_ids[:-1]
+        return token_ids, tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    if len(prompt_ids) == 1:  # one prompt: stream its text
+        streamer = None if args.json else TextStreamer(tokenizer)
+        results, stats = decode(prompt_ids, (lambda _i, ids: streamer.push(ids)) if streamer else None)
+        token_ids, text = reply_text(results[0].token_ids)
+        if args.json:
+            print(json.dumps({
+                "text": text, "token_ids": token_ids, "num_tokens": len(token_ids),
+                "finish_reason": results[0].finish_reason, "tokens_per_s": round(stats.tokens_per_s, 2),
+                "prompt_tokens": len(prompt_ids[0]), **({"stats": stats.to_dict()} if draft is not None else {}),
+            }))
+        else:
+            streamer.finish()
+            spec = f", tau {stats.tau:.2f}, alpha {stats.alpha:.2f}" if draft is not None else ""
+            print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s{spec}, {results[0].finish_reason}]",
+                  file=sys.stderr)
+        return 0
+
+    from tqdm import tqdm
+
+    progress = tqdm(total=len(prompt_ids), desc="generate", unit="prompt", file=sys.stderr, disable=None)
+    for first in range(0, len(prompt_ids), args.batch_size):
+        batch_ids = prompt_ids[first : first + args.batch_size]
+        results, stats = decode(batch_ids, None)
         spec = f", tau {stats.tau:.2f}, alpha {stats.alpha:.2f}" if draft is not None else ""
-        print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s{spec}, {results[0].finish_reason}]",
-              file=sys.stderr)
+        progress.write(f"[batch of {len(batch_ids)}: {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s"
+                       f"{spec}]", file=sys.stderr)
+        for offset, (ids, result) in enumerate(zip(batch_ids, results)):
+            index = first + offset
+            token_ids, text = reply_text(result.token_ids)
+            if args.json:
+                print(json.dumps({"index": index, "prompt": user_messages[index], "text": text, "token_ids": token_ids,
+                                  "num_tokens": len(token_ids), "finish_reason": result.finish_reason,
+                                  "prompt_tokens": len(ids)}), flush=True)
+            else:
+                print(f"### [{index}] {user_messages[index]}\n{text}\n", flush=True)
+        progress.update(len(batch_ids))
+    progress.close()
     return 0
 
 

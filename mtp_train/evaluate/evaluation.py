@@ -12,13 +12,16 @@ from pathlib import Path
 
 def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, draft_kind: str, draft_path: str,
              prompts_path, limit, ks, max_new_tokens, out_dir: Path, log_run_dir: Path | None = None,
-             show_progress: bool = True, prompt_lookup: bool = True, cost_curve: bool = True) -> dict:
+             show_progress: bool = True, prompt_lookup: bool = True, cost_curve: bool = True,
+             batch_sizes: tuple[int, ...] = (1,)) -> dict:
     """Plain decoding, `draft` (reported as `draft_method`@k) and, if `prompt_lookup`, the n-gram baseline, at each
-    k. `target` is loaded with `precision`; the draft computes like it. With `cost_curve`, each draft's step costs
-    are measured after the runs on the first prompt (`runtime.spec.costs.measure_cost_curves`, a few seconds) and
-    the report gives the speedup they predict beside the measured one."""
+    k and each of `batch_sizes`: the first batch size gives the report's main tables ("overall", per category),
+    every one its entry in "by_batch_size" and a point of the speedup-against-batch-size plot. `target` is loaded
+    with `precision`; the draft computes like it. With `cost_curve`, each draft's step costs are measured after the
+    runs on the first prompt at batch 1 (`runtime.spec.costs.measure_cost_curves`, a few seconds) and the report
+    gives the speedup they predict beside the measured one."""
     from mtp_train.evaluate.prompts import load_heldout, load_mt_bench
-    from mtp_train.evaluate.report import build_report, write_markdown, write_plots
+    from mtp_train.evaluate.report import batch_summary, build_report, write_markdown, write_plots
     from mtp_train.evaluate.runner import first_turn_ids, run_methods
     from mtp_train.fileio import write_json_atomic
     from mtp_train.runtime.chat import stop_token_ids
@@ -33,8 +36,13 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
         prompt_set = load_heldout(recipe.prepared_dir, limit)
     sampling = SamplingParams(temperature=recipe.eval.temperature)
     drafts = {draft_method: draft, **({"lookup": PromptLookup()} if prompt_lookup else {})}
-    totals = run_methods(target, tokenizer, prompt_set.prompts, drafts, ks, max_new_tokens, sampling,
-                         stop_token_ids(tokenizer, target.config), show_progress=show_progress)
+    stops = stop_token_ids(tokenizer, target.config)
+    totals_by_batch = {
+        batch_size: run_methods(target, tokenizer, prompt_set.prompts, drafts, ks, max_new_tokens, sampling, stops,
+                                show_progress=show_progress, batch_size=batch_size)
+        for batch_size in batch_sizes
+    }
+    totals = totals_by_batch[batch_sizes[0]]
     curves = None
     if cost_curve:  # the same loaded target and drafts, so the same decode path the runs took
         started = time.perf_counter()
@@ -48,11 +56,16 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
         "prompts": prompt_set.source, "num_prompts": len(prompt_set.prompts), "skipped": prompt_set.skipped,
         "settings": {"dtype": precision.dtype, "decode_dtype": precision.decode_dtype,
                      "decode_max_rows": precision.decode_max_rows, "precision_reason": precision.reason,
-                     "cpu_capability": machine_name(target.device), "batch_size": 1,
+                     "cpu_capability": machine_name(target.device), "batch_size": batch_sizes[0],
+                     "batch_sizes": list(batch_sizes),
                      "max_new_tokens": max_new_tokens, "temperature": recipe.eval.temperature,
                      "num_speculative_tokens": ks},
     }
     report = build_report(totals, meta, curves)
+    report["by_batch_size"] = {
+        str(batch_size): batch_summary(by_method, len(prompt_set.prompts), batch_size)
+        for batch_size, by_method in totals_by_batch.items()
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     report["out_dir"] = str(out_dir)
     write_json_atomic(out_dir / "report.json", report)

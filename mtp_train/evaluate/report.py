@@ -37,6 +37,17 @@ def build_report(totals: dict[str, dict[str, MethodTotals]], meta: dict[str, Any
     return report
 
 
+def batch_summary(totals: dict[str, dict[str, MethodTotals]], num_prompts: int, batch_size: int) -> dict[str, Any]:
+    """One batch size's numbers: each method's overall summary (speedup against plain decoding at the same batch
+    size) and the batch size the calls actually had (fewer prompts than `batch_size` make one smaller batch)."""
+    plain = totals["plain"]["all"]
+    return {
+        "sequences_per_call": min(batch_size, num_prompts),
+        "methods": {method: by_category["all"].summary(plain if method != "plain" else None)
+                    for method, by_category in totals.items()},
+    }
+
+
 def _add_predictions(report: dict[str, Any], cost_curves: dict[str, CostCurve]) -> None:
     """Into `report`: the curves, `predicted_speedup` on each draft's overall "<name>@k=<k>" numbers and `best_k`."""
     report["cost_curve"] = {name: curve.as_dict() for name, curve in cost_curves.items()}
@@ -100,6 +111,28 @@ def _cost_curve_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _batch_size_lines(report: dict[str, Any]) -> list[str]:
+    """The "By batch size" section: per batch size and method, τ, mean acceptance length, tokens/s and speedup."""
+    by_batch = report["by_batch_size"]
+    methods = list(next(iter(by_batch.values()))["methods"])
+    lines = ["", "## By batch size", "",
+             ("Prompts answered B at a time: each turn of B conversations is one call of the engine (finished "
+              "sequences leave the batch). tokens/s is the throughput of the batch; speedup is against plain "
+              "decoding at the same batch size. Cells: τ / mean acceptance length / tokens/s / speedup."), ""]
+    lines.append(_row(["method", *[f"batch {b} ({entry['sequences_per_call']} per call)"
+                                   for b, entry in by_batch.items()]]))
+    lines.append(_row(["---"] * (len(by_batch) + 1)))
+    for method in methods:
+        cells = []
+        for entry in by_batch.values():
+            r = entry["methods"].get(method)
+            cells.append("" if r is None else
+                         f"{r['tau']:.3f} / {r.get('mean_acceptance_length', 1.0):.3f} / {r['tokens_per_s']:.1f} / "
+                         f"{r.get('speedup', 1.0):.2f}×" + ("" if r.get("greedy_match", True) else " (output differs)"))
+        lines.append(_row([method, *cells]))
+    return lines
+
+
 def write_markdown(report: dict[str, Any], path: Path) -> None:
     lines = [f"# Speculative decoding evaluation: {report.get('name', '')}", ""]
     lines.append(f"- target: `{report['target']}`")
@@ -127,6 +160,8 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         ]))
     if report.get("cost_curve"):
         lines += _cost_curve_lines(report)
+    if len(report.get("by_batch_size", {})) > 1:
+        lines += _batch_size_lines(report)
     if report["per_category"]:
         lines += ["", "## Per category (τ / speedup)", ""]
         methods = list(report["overall"])
@@ -182,6 +217,21 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
                    legend=False)
         ax.legend()
         paths.append(save_figure(fig, out_dir / "acceptance_by_position.png", dpi=120))
+    by_batch = report.get("by_batch_size", {})
+    if len(by_batch) > 1:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        sizes = [int(b) for b in by_batch]
+        for method in next(iter(by_batch.values()))["methods"]:
+            if method == "plain":
+                continue
+            ax.plot(sizes, [by_batch[str(b)]["methods"][method].get("speedup", 0.0) for b in sizes], marker="o",
+                    label=method)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        label_axes(ax, "batch size (sequences decoded together)", "speedup over plain decoding at that batch size",
+                   "Speculation's speedup against batch size")
+        paths.append(save_figure(fig, out_dir / "speedup_by_batch_size.png", dpi=120))
     categories = list(report["per_category"]) or ["all"]
     methods = list(report["overall"])
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) + 2), 4))

@@ -1,7 +1,10 @@
 """Run plain and speculative decoding on the same prompts with the same settings and collect acceptance and speed.
 
-Every method answers each prompt turn by turn with its own earlier answers (batch 1, so tokens/s is the latency a
-single user sees). Greedy speculative outputs must equal plain greedy outputs; `greedy_match` records whether they did.
+Every method answers each prompt turn by turn with its own earlier answers. At batch 1 tokens/s is the latency a
+single user sees; at batch B the prompts are taken B at a time, and each turn of the B conversations is one call of the
+engine (sequences that finish leave the batch and free their pages), so tokens/s is a server's throughput and the
+speedup what speculation buys it at that batch size. Greedy speculative outputs must equal plain greedy outputs at the
+same batch size; `greedy_match` records whether they did.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class MethodTotals:
 
     engine: SpecStats | None = None
     seconds: float = 0.0
-    per_prompt: dict[int, PromptSpeed] = field(default_factory=dict)  # prompt index -> its turns together
+    per_prompt: dict[int, PromptSpeed] = field(default_factory=dict)  # prompt (batch) index -> its turns together
     turns: int = 0
     matched_turns: int = 0  # greedy: turns whose output equals plain decoding's
     # Greedy turns that diverged: the target's logit gap between plain's and this method's token at the first
@@ -50,9 +53,10 @@ class MethodTotals:
     # Later turns whose prompt already differs from plain's (an earlier turn parted): not comparable.
     context_diverged_turns: int = 0
 
-    def add(self, prompt_index: int, engine: SpecStats, seconds: float, matched: bool | None = None,
-            gap: float | None = None, context_diverged: bool = False) -> None:
-        """One call (one turn of prompt `prompt_index`) with the engine's counters and its wall time."""
+    def add(self, prompt_index: int, engine: SpecStats, seconds: float, turns: int = 1, matched_turns: int = 0,
+            gaps: tuple[float, ...] = (), context_diverged_turns: int = 0) -> None:
+        """One call (one turn of the `turns` conversations of prompt, or batch, `prompt_index`) with the engine's
+        counters, its wall time, and the greedy comparison of its `turns` outputs with plain decoding's."""
         if self.engine is None:
             self.engine = SpecStats(engine.schedule, engine.num_speculative_tokens)
         self.engine.add(engine)
@@ -60,11 +64,10 @@ class MethodTotals:
         speed = self.per_prompt.setdefault(prompt_index, PromptSpeed())
         speed.tokens += engine.new_tokens
         speed.seconds += seconds
-        self.turns += 1
-        self.matched_turns += int(bool(matched))
-        if gap is not None:
-            self.divergence_gaps.append(gap)
-        self.context_diverged_turns += int(context_diverged)
+        self.turns += turns
+        self.matched_turns += matched_turns
+        self.divergence_gaps.extend(gaps)
+        self.context_diverged_turns += context_diverged_turns
 
     @property
     def tokens_per_s(self) -> float:
@@ -145,55 +148,68 @@ def run_methods(
     stop_token_ids: tuple[int, ...],
     seed: int = 0,
     show_progress: bool = True,
+    batch_size: int = 1,
 ) -> dict[str, dict[str, MethodTotals]]:
-    """Returns totals[method][category] (category "all" included); methods: "plain" and "<name>@k=<k>"."""
+    """Returns totals[method][category] (category "all" included); methods: "plain" and "<name>@k=<k>".
+    `batch_size` B: the prompts are answered B at a time (per-category figures only at batch 1, where a call holds
+    one prompt)."""
     methods = [PLAIN] + [f"{name}@k={k}" for name in drafts for k in ks]
     totals: dict[str, dict[str, MethodTotals]] = {m: {} for m in methods}
     # Warm-up (kernel selection, allocator) outside the timings.
     warm = first_turn_ids(tokenizer, prompts[0])[:16]
-    generate(target, [warm], 4, sampling, seed=seed)
+    generate(target, [warm] * batch_size, 4, sampling, seed=seed)
     for draft in drafts.values():
-        speculative_generate(target, draft, [warm], 4, ks[0], sampling, seed=seed)
+        speculative_generate(target, draft, [warm] * batch_size, 4, ks[0], sampling, seed=seed)
 
-    num_turns = sum(1 if p.prompt_ids is not None else len(p.turns) for p in prompts)
-    progress = tqdm(total=num_turns * len(methods), desc="eval", unit="gen", disable=not show_progress)
-    for prompt_index, prompt in enumerate(prompts):
-        plain_answers: list[list[int]] = []
-        plain_prompts: list[list[int]] = []
+    def num_turns(prompt: EvalPrompt) -> int:
+        return 1 if prompt.prompt_ids is not None else len(prompt.turns)
+
+    groups = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    calls = sum(max(num_turns(p) for p in group) for group in groups)
+    progress = tqdm(total=calls * len(methods), desc=f"eval (batch {batch_size})", unit="call",
+                    disable=not show_progress)
+    for group_index, group in enumerate(groups):
+        plain_answers: dict[tuple[int, int], list[int]] = {}  # (prompt in group, turn) -> plain's output
+        plain_prompts: dict[tuple[int, int], list[int]] = {}
         for method in methods:
-            answers: list[str] = []
-            turns = 1 if prompt.prompt_ids is not None else len(prompt.turns)
-            for turn in range(turns):
-                ids = _turn_ids(tokenizer, prompt, answers, turn)
+            answers: list[list[str]] = [[] for _ in group]
+            for turn in range(max(num_turns(p) for p in group)):
+                members = [i for i, p in enumerate(group) if turn < num_turns(p)]
+                batch_ids = [_turn_ids(tokenizer, group[i], answers[i], turn) for i in members]
                 start = time.perf_counter()
                 if method == PLAIN:
-                    results, stats = generate(target, [ids], max_new_tokens, sampling, stop_token_ids, seed=seed)
+                    results, stats = generate(target, batch_ids, max_new_tokens, sampling, stop_token_ids, seed=seed)
                     seconds = time.perf_counter() - start
-                    # Plain decoding as engine counters (k = 0); batch 1: one target forward per sequence.
-                    record = dict(engine=SpecStats(PLAIN, 0, target_sequence_forwards=stats.target_forwards,
+                    # Plain decoding as engine counters (k = 0): one target forward per sequence and token.
+                    record = dict(engine=SpecStats(PLAIN, 0, target_sequence_forwards=stats.new_tokens,
                                                    new_tokens=stats.new_tokens))
-                    plain_answers.append(results[0].token_ids)
-                    plain_prompts.append(ids)
+                    for i, ids, result in zip(members, batch_ids, results):
+                        plain_answers[i, turn], plain_prompts[i, turn] = result.token_ids, ids
                 else:
                     name, k = method.rsplit("@k=", 1)
                     results, stats = speculative_generate(
-                        target, drafts[name], [ids], max_new_tokens, int(k), sampling, stop_token_ids, seed=seed
+                        target, drafts[name], batch_ids, max_new_tokens, int(k), sampling, stop_token_ids, seed=seed
                     )
                     seconds = time.perf_counter() - start
-                    same_context = ids == plain_prompts[turn]
-                    matched = same_context and results[0].token_ids == plain_answers[turn]
-                    record = dict(
-                        engine=stats,
-                        matched=matched,
-                        gap=None if matched or not same_context or not sampling.greedy else divergence_gap(
-                            target, ids, plain_answers[turn], results[0].token_ids),
-                        context_diverged=not same_context,
-                    )
-                output = results[0].token_ids
-                for category in ("all", prompt.category):
-                    totals[method].setdefault(category, MethodTotals()).add(prompt_index, seconds=seconds, **record)
-                reply = [t for t in output if t not in stop_token_ids]
-                answers.append(tokenizer.decode(reply, skip_special_tokens=True))
+                    matched, gaps, diverged = 0, [], 0
+                    for i, ids, result in zip(members, batch_ids, results):
+                        if ids != plain_prompts[i, turn]:
+                            diverged += 1
+                        elif result.token_ids == plain_answers[i, turn]:
+                            matched += 1
+                        elif sampling.greedy:
+                            gap = divergence_gap(target, ids, plain_answers[i, turn], result.token_ids)
+                            if gap is not None:
+                                gaps.append(gap)
+                    record = dict(engine=stats, matched_turns=matched, gaps=tuple(gaps),
+                                  context_diverged_turns=diverged)
+                categories = ["all"] + ([group[0].category] if batch_size == 1 else [])
+                for category in categories:
+                    totals[method].setdefault(category, MethodTotals()).add(
+                        group_index, seconds=seconds, turns=len(members), **record)
+                for i, result in zip(members, results):
+                    reply = [t for t in result.token_ids if t not in stop_token_ids]
+                    answers[i].append(tokenizer.decode(reply, skip_special_tokens=True))
                 progress.update(1)
     progress.close()
     return totals
