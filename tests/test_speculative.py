@@ -181,19 +181,21 @@ def test_the_default_allocator_is_enough(models):
 
 @pytest.mark.slow  # 2,000 sequences per χ² test: 3-4 s each
 @pytest.mark.parametrize(
-    "schedule, k, sampling",
+    "schedule, k, sampling, batch_size",
     [
-        ("mtp_chain", 2, SamplingParams(temperature=1.0)),
-        ("mtp_chain", 1, SamplingParams(temperature=1.0, top_k=3)),
-        ("mtp_chain", 2, SamplingParams(temperature=0.8, top_p=0.8)),
-        ("target_draft", 1, SamplingParams(temperature=1.0, top_k=5)),
+        ("mtp_chain", 2, SamplingParams(temperature=1.0), LOSSLESS_SAMPLES),
+        ("mtp_chain", 1, SamplingParams(temperature=1.0, top_k=3), LOSSLESS_SAMPLES),
+        ("mtp_chain", 2, SamplingParams(temperature=0.8, top_p=0.8), LOSSLESS_SAMPLES),
+        ("target_draft", 1, SamplingParams(temperature=1.0, top_k=5), LOSSLESS_SAMPLES),
+        ("mtp_chain", 2, SamplingParams(temperature=1.0), 4),
     ],
 )
-def test_speculative_sampling_is_lossless_chi2(small_vocab_target, schedule, k, sampling):
+def test_speculative_sampling_is_lossless_chi2(small_vocab_target, schedule, k, sampling, batch_size):
     """The joint distribution of the first three generated tokens equals plain sampling's. t1 comes from the prefill;
     with k=2, t2 and t3 are the first step's drafts d_1, d_2 (accepted or corrected), or t3 comes from a second step
     after a rejection; with k=1, t3 is the first step's bonus token when d_1 is accepted. 2,000 sequences in one
-    batch, χ² against the exact joint (512 cells, sparse ones pooled), threshold 1e-3. At this size, sampling the
+    batch (or in batches of 4, each call seeded on its own), χ² against the exact joint (512 cells, sparse ones
+    pooled), threshold 1e-3. At this size, sampling the
     correction from p instead of norm(max(0, p - q)), or the bonus from the wrong row, gives p-values < 1e-30."""
     target = small_vocab_target
     if schedule == "mtp_chain":
@@ -204,9 +206,18 @@ def test_speculative_sampling_is_lossless_chi2(small_vocab_target, schedule, k, 
             draft.lm_head.weight.mul_(15)
             for param in draft.parameters():
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
-    results, stats = speculative_generate(
-        target, draft, [LOSSLESS_PROMPT] * LOSSLESS_SAMPLES, 4, k, sampling, seed=11, page_size=4
-    )
+    if batch_size == LOSSLESS_SAMPLES:
+        results, stats = speculative_generate(
+            target, draft, [LOSSLESS_PROMPT] * LOSSLESS_SAMPLES, 4, k, sampling, seed=11, page_size=4
+        )
+    else:  # serving-size batches, each call with its own seed
+        results, stats = [], SpecStats(schedule, k)
+        for call in range(LOSSLESS_SAMPLES // batch_size):
+            batch_results, batch_stats = speculative_generate(
+                target, draft, [LOSSLESS_PROMPT] * batch_size, 4, k, sampling, seed=1000 + call, page_size=4
+            )
+            results += batch_results
+            stats.add(batch_stats)
     assert 0.05 < stats.alpha < 0.95  # drafts are both accepted and rejected
     tokens = torch.tensor([r.token_ids[:3] for r in results])  # [N, 3]
     cells = (tokens[:, 0] * SMALL_VOCAB + tokens[:, 1]) * SMALL_VOCAB + tokens[:, 2]
