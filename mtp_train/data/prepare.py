@@ -120,11 +120,14 @@ def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
     """The GenerateFn for `--regenerate`, backed by the target loaded through `mtp_train.runtime`.
 
     Renders each message list with the chat template (add_generation_prompt=True), generates the batch together
-    (one ragged prefill, then batched decode) up to `data.regenerate.max_new_tokens` tokens at
-    `data.regenerate.temperature`, and returns the decoded replies without the end-of-turn token. A prompt that
+    (one ragged prefill, then batched decode: sequences that finish leave the batch) at `data.regenerate.temperature`,
+    each reply up to `data.regenerate.max_new_tokens` tokens and no further than `data.max_seq_len` (what truncation
+    would cut is not generated), and returns the decoded replies without the end-of-turn token. A prompt that
     already fills `data.max_seq_len` gets an empty reply: nothing after it would survive truncation, and the
-    conversation is cut there.
+    conversation is cut there. A progress bar counts the generated tokens (tokens/s).
     """
+    from tqdm import tqdm
+
     from mtp_train.runtime.chat import encode_chat, stop_token_ids
     from mtp_train.runtime.generate import generate
     from mtp_train.runtime.loader import load_model, resolve_device
@@ -141,15 +144,18 @@ def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
     sampling = SamplingParams(temperature=settings.temperature)
     budget = recipe.data.max_seq_len
     calls = [0]
+    progress = tqdm(desc="regenerate", unit="tok", unit_scale=True, dynamic_ncols=True)
 
     def generate_fn(message_lists: list[list[Message]]) -> list[str]:
         prompts = [encode_chat(tokenizer, [dict(m) for m in messages]) for messages in message_lists]
         replies = [""] * len(prompts)
         runnable = [i for i, prompt in enumerate(prompts) if len(prompt) < budget]
         if runnable:
+            # Tokens past max_seq_len would be truncated away: not generated.
+            limits = [min(settings.max_new_tokens, budget - len(prompts[i])) for i in runnable]
             results, _ = generate(
-                model, [prompts[i] for i in runnable], settings.max_new_tokens, sampling, stop_token_ids=stops,
-                seed=recipe.data.seed * 1_000_003 + calls[0],
+                model, [prompts[i] for i in runnable], limits, sampling, stop_token_ids=stops,
+                seed=recipe.data.seed * 1_000_003 + calls[0], on_tokens=lambda _i, ids: progress.update(len(ids)),
             )
             for i, result in zip(runnable, results):
                 ids = [t for t in result.token_ids if t not in stops]

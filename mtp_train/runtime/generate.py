@@ -34,35 +34,53 @@ class GenerationStats:
         return self.new_tokens / total if total > 0 else 0.0
 
 
-def check_lengths(model: CausalLM, prompts: list[list[int]], max_new_tokens: int) -> None:
+def per_sequence(max_new_tokens: int | list[int], num_prompts: int) -> list[int]:
+    """`max_new_tokens` as one limit per prompt (a single int applies to all)."""
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * num_prompts
+    if len(max_new_tokens) != num_prompts:
+        raise UserError(f"max_new_tokens has {len(max_new_tokens)} limits for {num_prompts} prompts")
+    return list(max_new_tokens)
+
+
+def check_lengths(model: CausalLM, prompts: list[list[int]], max_new_tokens: int | list[int]) -> None:
     limit = model.config.max_position_embeddings
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, new_tokens) in enumerate(zip(prompts, per_sequence(max_new_tokens, len(prompts)))):
         if not prompt:
             raise UserError(f"prompt {i} is empty")
-        if len(prompt) + max_new_tokens > limit:
+        if new_tokens < 1:
+            raise UserError(f"max_new_tokens of prompt {i} must be >= 1, got {new_tokens}")
+        if len(prompt) + new_tokens > limit:
             raise UserError(
-                f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it exceeds the model's "
+                f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={new_tokens} it exceeds the model's "
                 f"maximum of {limit} positions (max_position_embeddings)"
             )
 
 
-def pages_for(prompts: list[list[int]], max_new_tokens: int, page_size: int, slack_tokens: int = 0) -> int:
-    return sum(-(-(len(p) + max_new_tokens + slack_tokens) // page_size) for p in prompts)
+def pages_for(prompts: list[list[int]], max_new_tokens: int | list[int], page_size: int, slack_tokens: int = 0) -> int:
+    limits = per_sequence(max_new_tokens, len(prompts))
+    return sum(-(-(len(p) + n + slack_tokens) // page_size) for p, n in zip(prompts, limits))
 
 
 class Outputs:
     """The generated tokens of a batch (plain and speculative decoding alike): cut after a stop token and at
-    max_new_tokens, streamed to `on_tokens(seq_index, new_ids)` as they are committed."""
+    max_new_tokens (one limit for all, or one per sequence), streamed to `on_tokens(seq_index, new_ids)` as they are
+    committed."""
 
-    def __init__(self, num_prompts: int, max_new_tokens: int, stop_token_ids: tuple[int, ...],
+    def __init__(self, num_prompts: int, max_new_tokens: int | list[int], stop_token_ids: tuple[int, ...],
                  on_tokens: Callable[[int, list[int]], None] | None):
         self.token_ids: list[list[int]] = [[] for _ in range(num_prompts)]
         self.finish = ["length"] * num_prompts  # "stop" once a stop token was committed
-        self.max_new_tokens, self.stop, self.on_tokens = max_new_tokens, set(stop_token_ids), on_tokens
+        self.limits = per_sequence(max_new_tokens, num_prompts)
+        self.stop, self.on_tokens = set(stop_token_ids), on_tokens
+
+    def remaining(self, index: int) -> int:
+        """Tokens sequence `index` may still emit."""
+        return self.limits[index] - len(self.token_ids[index])
 
     def commit(self, index: int, new_tokens: list[int]) -> list[int]:
         """Append tokens to sequence `index`, cut after a stop token / at max_new_tokens; returns those kept."""
-        new_tokens = new_tokens[: self.max_new_tokens - len(self.token_ids[index])]
+        new_tokens = new_tokens[: self.remaining(index)]
         for i, token in enumerate(new_tokens):
             if token in self.stop:
                 new_tokens = new_tokens[: i + 1]
@@ -74,7 +92,7 @@ class Outputs:
         return new_tokens
 
     def finished(self, index: int) -> bool:
-        return self.finish[index] == "stop" or len(self.token_ids[index]) >= self.max_new_tokens
+        return self.finish[index] == "stop" or self.remaining(index) <= 0
 
     def results(self) -> list[GenerationResult]:
         return [GenerationResult(o, f) for o, f in zip(self.token_ids, self.finish)]
@@ -84,7 +102,7 @@ class Outputs:
 def generate(
     model: CausalLM,
     prompts: list[list[int]],
-    max_new_tokens: int,
+    max_new_tokens: int | list[int],
     sampling: SamplingParams = SamplingParams(),
     stop_token_ids: tuple[int, ...] = (),
     seed: int = 0,
@@ -92,7 +110,8 @@ def generate(
     allocator: PageAllocator | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> tuple[list[GenerationResult], GenerationStats]:
-    """Generate for a batch of tokenized prompts. `on_tokens(seq_index, new_ids)` streams tokens as they come."""
+    """Generate for a batch of tokenized prompts, up to `max_new_tokens` each (an int, or one limit per prompt).
+    `on_tokens(seq_index, new_ids)` streams tokens as they come."""
     check_lengths(model, prompts, max_new_tokens)
     device = model.device
     allocator = allocator or PageAllocator(pages_for(prompts, max_new_tokens, page_size), page_size)
