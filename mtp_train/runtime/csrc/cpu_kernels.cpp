@@ -367,6 +367,82 @@ inline void norm_and_rotate(float* v, int64_t D, const float* cos, const float* 
 // qkv:  [T, (H + 2 G) * D] fp32, the fused projection output of the batch's new tokens (q heads, then k, then v);
 //       its q and k parts are normalized (if weights are given) and rotated in place.
 // cos, sin: [T, D] rotary tables of the new tokens' positions.
+// scores[i] = scale * (q . K_i) for keys i in [lo, hi) of a chunk; K_i = k_rows[i] + offset (kD floats). Each dot
+// accumulates along D in one fixed order and is reduced horizontally in one fixed order, whichever keys share its
+// group of four, so a key's score does not depend on the range asked for (batch invariance). kD is a template
+// argument so that q and the accumulators stay in registers.
+#if MTP_AVX2
+template <int kD>
+void key_dots_avx2(const float* q, const float* const* k_rows, int64_t offset, int64_t lo, int64_t hi, float scale,
+                   float* scores) {
+  constexpr int kV = kD / 8;
+  __m256 q_regs[kV];
+  for (int v = 0; v < kV; ++v) q_regs[v] = _mm256_loadu_ps(q + 8 * v);
+  const __m128 scale4 = _mm_set1_ps(scale);
+  for (int64_t i = lo; i < hi; i += 4) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const int64_t n = std::min<int64_t>(4, hi - i);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* k = k_rows[i + j] + offset;
+      __m256 a = _mm256_mul_ps(q_regs[0], _mm256_loadu_ps(k));
+#pragma GCC unroll 16
+      for (int v = 1; v < kV; ++v) a = _mm256_fmadd_ps(q_regs[v], _mm256_loadu_ps(k + 8 * v), a);
+      acc[j] = a;
+    }
+    // each acc[j] summed as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), four keys at once
+    const __m256 quad = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m128 sums = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(quad), _mm256_extractf128_ps(quad, 1)), scale4);
+    alignas(16) float out4[4];
+    _mm_store_ps(out4, sums);
+    for (int64_t j = 0; j < n; ++j) scores[i + j] = out4[j];
+  }
+}
+
+// out[0:kD] = sum over keys i in [lo, hi), in order, of weights[i] * V_i (V_i = v_rows[i] + offset).
+template <int kD>
+void weighted_sum_avx2(const float* weights, const float* const* v_rows, int64_t offset, int64_t lo, int64_t hi,
+                       float* out) {
+  constexpr int kV = kD / 8;
+  __m256 acc[kV];
+  for (int v = 0; v < kV; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t i = lo; i < hi; ++i) {
+    const __m256 w = _mm256_set1_ps(weights[i]);
+    const float* row = v_rows[i] + offset;
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < kV; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
+}
+#endif
+
+// The head dims with register-resident kernels (the others take the plain loops below).
+inline void key_dots(const float* q, const float* const* k_rows, int64_t offset, int64_t D, int64_t lo, int64_t hi,
+                     float scale, float* scores) {
+#if MTP_AVX2
+  switch (D) {
+    case 32: return key_dots_avx2<32>(q, k_rows, offset, lo, hi, scale, scores);
+    case 64: return key_dots_avx2<64>(q, k_rows, offset, lo, hi, scale, scores);
+    case 128: return key_dots_avx2<128>(q, k_rows, offset, lo, hi, scale, scores);
+    default: break;
+  }
+#endif
+  for (int64_t i = lo; i < hi; ++i) scores[i] = scale * dot(q, k_rows[i] + offset, D);
+}
+
+inline void weighted_sum(const float* weights, const float* const* v_rows, int64_t offset, int64_t D, int64_t lo,
+                         int64_t hi, float* out) {
+#if MTP_AVX2
+  switch (D) {
+    case 32: return weighted_sum_avx2<32>(weights, v_rows, offset, lo, hi, out);
+    case 64: return weighted_sum_avx2<64>(weights, v_rows, offset, lo, hi, out);
+    case 128: return weighted_sum_avx2<128>(weights, v_rows, offset, lo, hi, out);
+    default: break;
+  }
+#endif
+  std::memset(out, 0, D * sizeof(float));
+  for (int64_t i = lo; i < hi; ++i) axpy(weights[i], v_rows[i] + offset, out, D);
+}
+
 // k_cache, v_cache: [pages, page_size, G, D] fp32; the new tokens' k and v are written at slot_mapping first.
 // positions [T] int64; qo_indptr [B + 1] int32; page_indptr [B + 1] int32; page_indices [pages used] int32.
 // A new token at position p attends to cached positions max(0, p - window + 1) .. p of its sequence.
@@ -462,6 +538,7 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
   at::parallel_for(0, task_start[B], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> row_lo, row_hi;
+    std::vector<const float*> k_rows(kKeyChunk), v_rows(kKeyChunk);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
       const int64_t c = task - task_start[b];
@@ -497,14 +574,20 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
         p += run;
       }
 #endif
-      scores.assign(rows * kKeyChunk, 0.f);
+      // The chunk's K and V rows, one pointer per key (pages are looked up once, not per head).
       for (int64_t p = lo_all; p < hi_all; ++p) {
-        const float* k_slot = kc + slot_of(p) * slot_floats;
-        for (int64_t h = 0; h < H; ++h) {
-          const float* k_row = k_slot + (h / group) * D;
-          for (int64_t r = 0; r < n_q; ++r)
-            scores[(h * n_q + r) * kKeyChunk + (p - key_lo)] =
-                scale_f * dot(qkv_ptr + (t0 + r) * width + h * D, k_row, D);
+        k_rows[p - key_lo] = kc + slot_of(p) * slot_floats;
+        v_rows[p - key_lo] = vc + slot_of(p) * slot_floats;
+      }
+      scores.assign(rows * kKeyChunk, 0.f);
+      // Scores, KV head by KV head: the group's query rows meet each key row while it sits in L1.
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t kv_offset = (h / group) * D;
+        for (int64_t r = 0; r < n_q; ++r) {
+          if (row_hi[r] <= row_lo[r]) continue;
+          const float* q_row = qkv_ptr + (t0 + r) * width + h * D;
+          float* row = scores.data() + (h * n_q + r) * kKeyChunk;
+          key_dots(q_row, k_rows.data(), kv_offset, D, row_lo[r], row_hi[r], scale_f, row);
         }
       }
       for (int64_t h = 0; h < H; ++h)
@@ -515,16 +598,9 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
           for (int64_t i = row_lo[r]; i < row_hi[r]; ++i) max_value = std::max(max_value, row[i]);
           out[D] = max_value;
           out[D + 1] = row_hi[r] > row_lo[r] ? exp_minus_max(row + row_lo[r], row_hi[r] - row_lo[r], max_value) : 0.f;
-          std::memset(out, 0, D * sizeof(float));
+          // exp-weighted sum of the row's V rows, keys in order, accumulated in registers
+          weighted_sum(row, v_rows.data(), (h / group) * D, D, row_lo[r], row_hi[r], out);
         }
-      for (int64_t p = lo_all; p < hi_all; ++p) {
-        const float* v_slot = vc + slot_of(p) * slot_floats;
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t r = 0; r < n_q; ++r)
-            if (p - key_lo >= row_lo[r] && p - key_lo < row_hi[r])
-              axpy(scores[(h * n_q + r) * kKeyChunk + (p - key_lo)], v_slot + (h / group) * D,
-                   part + (h * n_q + r) * (D + 2), D);
-      }
     }
   });
 
