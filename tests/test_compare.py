@@ -34,7 +34,7 @@ def _report(taus: dict[int, tuple[int, int, list[int], list[int]]], plain_second
                                new_tokens=tokens, prefill_tokens=1, drafted_tokens=sum(drafted),
                                accepted_tokens=sum(accepted), drafted_per_position=drafted,
                                accepted_per_position=accepted)
-            method.add(0, engine, plain_seconds * forwards / 100, matched=True)
+            method.add(0, engine, plain_seconds * forwards / 100, matched_turns=1)
             totals[f"{name}@k={k}"] = {"all": method}
     meta = {"name": "x", "target": "t", "draft": "d", "draft_kind": f"head ({draft})", "draft_method": draft,
             "prompts": "p.jsonl", "num_prompts": 2, "skipped": [], "settings": {}}

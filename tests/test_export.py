@@ -57,8 +57,17 @@ REQUIRED_CONFIG = {
         "rope_theta": 10000.0,
         "torch_dtype": "float32",
     },
+    "vllm-mtp": {
+        "architectures": ["MiMoForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_nextn_predict_layers": 1,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float32",
+    },
     "eagle": {
-        "architectures": ["LlamaForCausalLMEagle"],
+        "architectures": ["LlamaForCausalLMEagle", "LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": 64,
         "intermediate_size": 112,
@@ -70,22 +79,16 @@ REQUIRED_CONFIG = {
         "rope_theta": 10000.0,
         "torch_dtype": "float32",
     },
-    "speculators": {
-        "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
-        "speculators_model_type": "eagle",
-        "speculators_version": None,
-        "transformer_layer_architecture": "LlamaDecoderLayer",
-        "layernorms": False,
-        "fusion_bias": True,
-        "torch_dtype": "float32",
-    },
 }
 
 
-def make_head(target, kind: str, num_layers: int = 1, dtype=torch.float32) -> DraftHead:
-    """A random-init head whose norms and biases are perturbed away from 1/0, so a mix-up shows."""
+def make_head(target, kind: str, num_layers: int = 1, dtype=torch.float32, fc_bias: bool = False) -> DraftHead:
+    """A random-init head whose norms and biases are perturbed away from 1/0, so a mix-up shows. An eagle1 head has no
+    fc bias unless `fc_bias` (what vLLM's EAGLE-1 class serves; tests/test_export_vllm.py covers the biased one)."""
     torch.manual_seed(0)
-    config = HeadConfig.for_target(target.config, target.fingerprint, kind=kind, num_layers=num_layers, init="random")
+    extra = {"fc_bias": fc_bias} if kind == "eagle1" else {}
+    config = HeadConfig.for_target(target.config, target.fingerprint, kind=kind, num_layers=num_layers, init="random",
+                                   **extra)
     head = DraftHead.from_target(target, config)
     with torch.no_grad():
         for name, param in head.named_parameters():
@@ -144,17 +147,7 @@ def test_required_config_fields(exports, target, fmt, kind):
             "mtp": {"enorm": True, "hnorm": True, "input_layernorm": [True], "final_norm": True},
             "eagle1": {"enorm": False, "hnorm": False, "input_layernorm": [False], "final_norm": False},
         }[kind]
-        assert config["fc_bias"] == (kind == "eagle1")
-    if fmt == "speculators":
-        spec = config["speculators_config"]
-        assert spec["algorithm"] == "eagle"
-        assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 3}]
-        assert spec["default_proposal_method"] == "greedy"
-        assert spec["verifier"]["architectures"] == ["LlamaForCausalLM"]
-        assert spec["verifier"]["name_or_path"]
-        layer = config["transformer_layer_config"]
-        assert (layer["model_type"], layer["num_hidden_layers"], layer["hidden_size"]) == ("llama", 1, 64)
-        assert layer["tie_word_embeddings"] is False
+        assert config["fc_bias"] is False  # mtp: eh_proj has none; these eagle1 heads have head.fc_bias: false
 
 
 def test_deepseek_mtp_stores_the_targets_frozen_tensors_and_head_order(exports, head_dirs, target):
@@ -165,7 +158,7 @@ def test_deepseek_mtp_stores_the_targets_frozen_tensors_and_head_order(exports, 
     # Same column order as ours (embed | hidden): the projection is copied, not permuted.
     assert torch.equal(stored["model.layers.2.eh_proj.weight"], native["eh_proj.weight"])
     assert torch.equal(stored["model.layers.2.shared_head.norm.weight"], native["norm.weight"])
-    for fmt in ("native", "eagle", "speculators"):
+    for fmt in ("native", "eagle", "vllm-mtp"):
         for kind in ("mtp", "eagle1"):
             if (fmt, kind) in exports:
                 names = tensor_shapes(exports[(fmt, kind)])
@@ -197,7 +190,7 @@ def test_round_trip_reproduces_draft_logits(exports, head_dirs, target, fmt, kin
     assert torch.equal(draft_logits(loaded), draft_logits(original))
 
 
-@pytest.mark.parametrize("fmt,kind", [("deepseek-mtp", "mtp"), ("eagle", "eagle1"), ("speculators", "eagle1")])
+@pytest.mark.parametrize("fmt,kind", [("deepseek-mtp", "mtp"), ("eagle", "eagle1"), ("vllm-mtp", "mtp")])
 def test_round_trip_bfloat16(target, target_dir, tmp_path, fmt, kind):
     head = make_head(target, kind, dtype=torch.bfloat16)
     save_head(head, tmp_path / "head")
@@ -217,9 +210,6 @@ def test_two_layer_eagle_head_round_trips_through_eagle(target, target_dir, tmp_
     assert "layers.1.input_layernorm.weight" in names and "layers.0.input_layernorm.weight" not in names
     assert read_config(out)["num_hidden_layers"] == 2
     assert torch.equal(draft_logits(load_any_head(out, target)), draft_logits(head))
-    with pytest.raises(UserError, match="2 decoder layers.*one `transformer` layer"):
-        export_head(tmp_path / "head", "speculators", tmp_path / "spec", target_dir)
-
 
 
 def test_qwen2_eagle_head_round_trips(tmp_path):
@@ -229,7 +219,7 @@ def test_qwen2_eagle_head_round_trips(tmp_path):
     qwen = load_model(qwen_dir, dtype="float32", device="cpu")
     save_head(make_head(qwen, "eagle1"), tmp_path / "head")
     out = export_head(tmp_path / "head", "eagle", tmp_path / "out", qwen_dir)
-    assert read_config(out)["architectures"] == ["Qwen2ForCausalLMEagle"]
+    assert read_config(out)["architectures"] == ["Qwen2ForCausalLMEagle"]  # vLLM has no EAGLE-1 Qwen2 class
     assert inspect_dir(out, qwen).ok
     assert torch.equal(draft_logits(load_any_head(out, qwen)), draft_logits(make_head(qwen, "eagle1")))
 
@@ -291,27 +281,20 @@ BROKEN = [
     ("eagle", "eagle1", _added("layers.0.input_layernorm.weight", (64,)), None, r"unexpected tensor layers\.0\.input_layernorm"),
     ("eagle", "eagle1", None, lambda c: c.pop("num_hidden_layers"), "missing config field num_hidden_layers"),
     (
-        "speculators",
-        "eagle1",
-        _added("transformer.self_attn.q_proj.bias", (64,)),
+        "vllm-mtp",
+        "mtp",
+        _renamed("model.mtp_layers.0.input_proj.weight", "model.mtp_layers.0.eh_proj.weight"),
         None,
-        r"unexpected tensor transformer\.self_attn\.q_proj\.bias",
-    ),
-    ("speculators", "eagle1", None, lambda c: c.pop("fusion_bias"), "missing config field fusion_bias"),
-    (
-        "speculators",
-        "eagle1",
-        None,
-        lambda c: c["speculators_config"]["verifier"].pop("name_or_path"),
-        r"missing config field speculators_config\.verifier\.name_or_path",
+        r"missing tensor model\.mtp_layers\.0\.input_proj\.weight",
     ),
     (
-        "speculators",
-        "eagle1",
+        "vllm-mtp",
+        "mtp",
+        _added("model.mtp_layers.0.self_attn.o_proj.bias", (64,)),
         None,
-        lambda c: c.update(fusion_bias=False),
-        r"unexpected tensor fusion_fc\.bias",
+        r"unexpected tensor model\.mtp_layers\.0\.self_attn\.o_proj\.bias",
     ),
+    ("vllm-mtp", "mtp", None, lambda c: c.update(architectures=["LlamaForCausalLM"]), r"needs \['MiMoForCausalLM'\]"),
 ]
 
 
@@ -362,10 +345,10 @@ def test_mtp_head_refused_by_eagle_formats(head_dirs, target_dir, tmp_path):
     message = str(err.value)
     for lost in ("enorm", "hnorm", "input_layernorm", "final norm"):
         assert lost in message
-    with pytest.raises(UserError, match="hnorm would be lost"):
-        export_head(head_dirs["mtp"], "speculators", tmp_path / "s", target_dir)
     with pytest.raises(UserError, match="fc.bias would be lost"):
         export_head(head_dirs["eagle1"], "deepseek-mtp", tmp_path / "d", target_dir)
+    with pytest.raises(UserError, match="token_layernorm, hidden_layernorm.*fc.bias would be lost"):
+        export_head(head_dirs["eagle1"], "vllm-mtp", tmp_path / "v", target_dir)
     assert not any(tmp_path.iterdir())  # nothing written, no temporary directory left
 
 
@@ -386,11 +369,11 @@ def test_unsupported_block_refused(tmp_path):
 
 
 def test_unknown_format(head_dirs, target_dir, tmp_path, capsys):
-    with pytest.raises(UserError, match="unknown format 'medusa'; known formats: native, deepseek-mtp, eagle, speculators"):
+    with pytest.raises(UserError, match="unknown format 'medusa'; known formats: native, deepseek-mtp, vllm-mtp, eagle"):
         export_head(head_dirs["mtp"], "medusa", tmp_path / "out", target_dir)
     argv = ["export", "--head", str(head_dirs["mtp"]), "--format", "medusa", "--out", str(tmp_path / "o")]
     assert run_cli(argv + ["--target", str(target_dir)]) == 2
-    assert "known formats: native, deepseek-mtp, eagle, speculators" in capsys.readouterr().err
+    assert "known formats: native, deepseek-mtp, vllm-mtp, eagle" in capsys.readouterr().err
 
 
 def test_output_directory_rules(head_dirs, target_dir, tmp_path):
@@ -451,11 +434,11 @@ def test_deepseek_frozen_tensors_must_match_the_target(exports, target, tmp_path
 
 def test_cli_export(head_dirs, target_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["export", "--head", str(head_dirs["eagle1"]), "--format", "speculators", "--out", str(out)]
-    argv += ["--target", str(target_dir), "--num-speculative-tokens", "5", "--verifier-name", "org/tiny"]
+    argv = ["export", "--head", str(head_dirs["mtp"]), "--format", "vllm-mtp", "--out", str(out)]
+    argv += ["--target", str(target_dir), "--num-speculative-tokens", "5"]
     assert run_cli(argv) == 0
-    spec = read_config(out)["speculators_config"]
-    assert spec["proposal_methods"][0]["speculative_tokens"] == 5 and spec["verifier"]["name_or_path"] == "org/tiny"
+    serve = json.loads((out / "vllm_serve.json").read_text())
+    assert serve["speculative_config"] == {"method": "mtp", "model": str(out.resolve()), "num_speculative_tokens": 5}
     assert run_cli(argv) == 2  # not empty now
     assert "--overwrite" in capsys.readouterr().err
     assert run_cli(argv + ["--overwrite"]) == 0
@@ -511,9 +494,8 @@ def test_smollm2_last_layer_mtp_head_exports(smollm2_dir, tmp_path):
     assert config["rope_theta"] == 100000.0 and config["tie_word_embeddings"] is True
     assert inspect_dir(mtp, target).ok
 
-    for fmt in ("eagle", "speculators"):
-        with pytest.raises(UserError, match="would be lost"):
-            export_head(tmp_path / "head", fmt, tmp_path / fmt, smollm2_dir)
+    with pytest.raises(UserError, match="would be lost"):
+        export_head(tmp_path / "head", "eagle", tmp_path / "eagle", smollm2_dir)
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 49152, (12,), generator=gen)
@@ -534,12 +516,6 @@ def test_smollm2_eagle_head_exports(smollm2_dir, tmp_path):
     save_head(DraftHead.from_target(target, config), tmp_path / "head")
     eagle = export_head(tmp_path / "head", "eagle", tmp_path / "eagle", smollm2_dir)
     assert tensor_shapes(eagle) == {"fc.weight": (576, 1152), "fc.bias": (576,), **prefixed("layers.0.", SMOL_BLOCK)}
-    spec = export_head(tmp_path / "head", "speculators", tmp_path / "spec", smollm2_dir)
-    assert tensor_shapes(spec) == {
-        "fusion_fc.weight": (576, 1152),
-        "fusion_fc.bias": (576,),
-        **prefixed("transformer.", SMOL_BLOCK),
-    }
-    assert read_config(spec)["transformer_layer_config"]["rope_theta"] == 100000.0
+    assert read_config(eagle)["architectures"] == ["LlamaForCausalLMEagle", "LlamaForCausalLM"]
     with pytest.raises(UserError, match="fc.bias would be lost"):
         export_head(tmp_path / "head", "deepseek-mtp", tmp_path / "mtp", smollm2_dir)

@@ -27,11 +27,12 @@ CARRIED = [("native", "mtp"), ("native", "eagle1"), ("eagle", "eagle1")]
 
 
 def make_reduced_head(target, kind: str, dtype=torch.float32, draft_ids=DRAFT_IDS, num_layers: int = 1) -> DraftHead:
-    """A random-init head over `draft_ids`, norms and biases perturbed away from 1/0 so a mix-up shows."""
+    """A random-init head over `draft_ids`, norms and biases perturbed away from 1/0 so a mix-up shows (an eagle1
+    head without an fc bias: the one the eagle format writes)."""
     torch.manual_seed(0)
     config = HeadConfig.for_target(
         target.config, target.fingerprint, kind=kind, num_layers=num_layers, init="random",
-        draft_vocab_size=draft_ids.numel(),
+        draft_vocab_size=draft_ids.numel(), **({"fc_bias": False} if kind == "eagle1" else {}),
     )
     head = DraftHead.from_target(target, config)
     head.set_draft_vocab(draft_ids)
@@ -110,7 +111,7 @@ def test_full_vocabulary_exports_carry_no_draft_vocabulary(target, target_dir, t
     torch.manual_seed(0)
     config = HeadConfig.for_target(target.config, target.fingerprint, kind="eagle1", init="random")
     save_head(DraftHead.from_target(target, config), tmp_path / "head")
-    for fmt in ("native", "eagle", "speculators"):
+    for fmt in ("native", "eagle"):
         out = export_head(tmp_path / "head", fmt, tmp_path / fmt, target_dir)
         assert "draft_vocab_size" not in read_config(out)
         assert read_config(out)["mtp_train"]["head_config"]["draft_vocab_size"] is None
@@ -202,21 +203,20 @@ def test_deepseek_mtp_refuses_a_reduced_head(head_dirs, target_dir, tmp_path):
     assert not any(tmp_path.iterdir())  # nothing written, no temporary directory left
 
 
-def test_speculators_refuses_a_reduced_head(head_dirs, target_dir, tmp_path):
+def test_vllm_mtp_refuses_a_reduced_head_without_full_vocab(head_dirs, target_dir, tmp_path):
     with pytest.raises(UserError) as err:
-        export_head(head_dirs["eagle1"], "speculators", tmp_path / "out", target_dir)
+        export_head(head_dirs["mtp"], "vllm-mtp", tmp_path / "out", target_dir)
     message = str(err.value)
     assert "\n" not in message
-    assert "cannot be written as speculators" in message
-    assert "EagleSpeculator computes its logits with the verifier's full lm_head" in message
-    assert "the draft vocabulary would be lost" in message and message.endswith("use --format eagle or native")
+    assert "cannot be written as vllm-mtp" in message and "MiMoMTP computes the draft logits" in message
+    assert "the draft vocabulary would be lost" in message and "--full-vocab" in message
+    assert message.endswith("or --format native")
     assert not any(tmp_path.iterdir())
 
 
 def test_kind_refusals_suggest_only_formats_that_carry_the_vocabulary(head_dirs, target_dir, tmp_path):
-    for fmt in ("eagle", "speculators"):
-        with pytest.raises(UserError, match=r"hnorm.*would be lost\. Use --format native$"):
-            export_head(head_dirs["mtp"], fmt, tmp_path / fmt, target_dir)
+    with pytest.raises(UserError, match=r"hnorm.*would be lost\. Use --format native$"):
+        export_head(head_dirs["mtp"], "eagle", tmp_path / "eagle", target_dir)
     with pytest.raises(UserError, match=r"fc\.bias would be lost; use --format eagle or native$"):
         export_head(head_dirs["eagle1"], "deepseek-mtp", tmp_path / "d", target_dir)
 
@@ -336,10 +336,10 @@ def test_inspect_cli_shows_the_draft_vocabulary(exports, target_dir, capsys):
 
 @pytest.fixture(scope="module")
 def full_exports(target, target_dir, tmp_path_factory):
-    """Full-vocabulary deepseek-mtp / speculators / eagle exports, for configs edited to claim a draft vocabulary."""
+    """Full-vocabulary deepseek-mtp / vllm-mtp / eagle exports, for configs edited to claim a draft vocabulary."""
     root = tmp_path_factory.mktemp("full")
     out = {}
-    for kind, fmts in (("mtp", ("deepseek-mtp",)), ("eagle1", ("speculators", "eagle"))):
+    for kind, fmts in (("mtp", ("deepseek-mtp", "vllm-mtp")), ("eagle1", ("eagle",))):
         torch.manual_seed(0)
         config = HeadConfig.for_target(target.config, target.fingerprint, kind=kind, init="random")
         save_head(DraftHead.from_target(target, config), root / kind)
@@ -348,7 +348,7 @@ def full_exports(target, target_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("fmt", ["deepseek-mtp", "speculators"])
+@pytest.mark.parametrize("fmt", ["deepseek-mtp", "vllm-mtp"])
 def test_formats_without_a_draft_vocabulary_reject_a_declared_one(full_exports, target, tmp_path, fmt):
     def claim(config):
         config["draft_vocab_size"] = N

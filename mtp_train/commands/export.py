@@ -10,15 +10,18 @@ from mtp_train.export import FORMAT_NAMES
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "export",
-        help="write a trained head for a serving engine (native | deepseek-mtp | eagle | speculators)",
+        help="write a trained head for a serving engine (native | deepseek-mtp | vllm-mtp | eagle | eagle3)",
         description="Convert a native head directory (model.safetensors + head_config.json) into one serving "
-        "format. Formats: native (our runtime), deepseek-mtp (DeepSeek-V3 MTP layout; MTP heads), eagle (EAGLE-1 "
-        "layout, SGLang; EAGLE-1 heads), speculators (vLLM speculators 'eagle'; EAGLE-1 heads). A head a format "
-        "cannot represent is refused with what would be lost. A reduced draft vocabulary is written by native (d2t/t2d) "
-        "and eagle (SGLang --speculative-token-map file); deepseek-mtp and speculators refuse it. A head whose "
-        "model.safetensors differs from the checksum recorded at save, or holds NaN/Inf weights, is refused. The "
-        "export is written next to --out and renamed into place; config.json's mtp_train.checksums records each "
-        "file's sha256 (checked by inspect). See docs/export.md.",
+        "format. Formats: native (our runtime), deepseek-mtp (DeepSeek-V3 MTP layout; MTP heads; no engine loads it "
+        "for a Llama-family block), vllm-mtp (vLLM's MiMo-MTP layout; MTP heads; verified in vLLM 0.32, writes "
+        "SERVING.md and vllm_serve.json with the serving arguments), eagle (EAGLE-1 layout; EAGLE-1 heads; SGLang, "
+        "and vLLM for a head without an fc bias: train with head.fc_bias: false), eagle3 (speculators eagle3, EAGLE-3 "
+        "heads; verified in vLLM 0.32). A head a format cannot represent is refused with what would be lost. A "
+        "reduced draft vocabulary is written by native and eagle3 (d2t/t2d) and eagle (SGLang "
+        "--speculative-token-map file); deepseek-mtp and vllm-mtp refuse it unless --full-vocab. A head "
+        "whose model.safetensors differs from the checksum recorded at save, or holds NaN/Inf weights, is refused. "
+        "The export is written next to --out and renamed into place; config.json's mtp_train.checksums records "
+        "each file's sha256 (checked by inspect). See docs/export.md.",
     )
     p.add_argument("--head", required=True, help="the head directory (a run's head/ or a save_head output)")
     p.add_argument("--format", required=True, help=f"one of: {', '.join(FORMAT_NAMES)}")
@@ -28,9 +31,11 @@ def register(subparsers) -> None:
                    help="default: the head's stored dtype")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--num-speculative-tokens", type=int, default=3,
-                   help="speculators: proposal_methods[0].speculative_tokens")
-    p.add_argument("--verifier-name", default=None,
-                   help="speculators: verifier.name_or_path to record (default: the --target path)")
+                   help="vllm-mtp: num_speculative_tokens in the serving arguments written (SERVING.md)")
+    p.add_argument("--full-vocab", action="store_true",
+                   help="export a head trained with a reduced draft vocabulary as a full-vocabulary head (it then "
+                   "drafts over the whole vocabulary: τ changes, measure it with eval --head on the export); "
+                   "needed for vllm-mtp and deepseek-mtp, whose engines have no draft vocabulary")
     p.set_defaults(func=run_export)
 
 
@@ -38,6 +43,6 @@ def run_export(args: argparse.Namespace) -> int:
     from mtp_train.export.exporter import export_head
 
     out = export_head(args.head, args.format, args.out, args.target, dtype=args.dtype, overwrite=args.overwrite,
-                      num_speculative_tokens=args.num_speculative_tokens, verifier_name=args.verifier_name)
+                      num_speculative_tokens=args.num_speculative_tokens, full_vocab=args.full_vocab)
     print(f"wrote {args.format} export to {out}")
     return 0

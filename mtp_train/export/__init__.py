@@ -1,8 +1,9 @@
 """Export trained draft heads for serving engines, and read every exported format back.
 
-Formats (one module each): `native` (our runtime), `deepseek-mtp` (DeepSeek-V3 MTP layout), `eagle` (EAGLE-1 layout,
-SGLang), `speculators` (vLLM speculators `eagle`). `export_head` writes one; `inspect_dir` detects and checks one;
-`load_any_head` loads any of them back into a `DraftHead`. See docs/export.md for engines and citations.
+Formats (one module each): `native` (our runtime), `deepseek-mtp` (DeepSeek-V3 MTP layout), `vllm-mtp` (vLLM's
+MiMo-MTP layout, MTP heads), `eagle` (EAGLE-1 layout, SGLang and vLLM), `eagle3` (speculators EAGLE-3 layout, vLLM).
+`export_head` writes one; `inspect_dir` detects and checks one; `load_any_head` loads any of them back into a
+`DraftHead`. See docs/export.md for engines and citations.
 
 The package import is light (no torch) so `mtp-train --help` stays fast; the API is imported on first use.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-FORMAT_NAMES = ("native", "deepseek-mtp", "eagle", "speculators")
+FORMAT_NAMES = ("native", "deepseek-mtp", "vllm-mtp", "eagle", "eagle3")
 _WHERE = {
     "export_head": "mtp_train.export.exporter",
     "get_format": "mtp_train.export.registry",

@@ -105,6 +105,22 @@ class ExportFormat:
         """Files besides model.safetensors and config.json: {name: JSON content, or bytes written as they are}."""
         return {}
 
+    def state_refusal(self, state: dict[str, torch.Tensor], head_config: HeadConfig) -> str | None:
+        """Why the head's weights (not its config) cannot be written faithfully, e.g. a trained bias the engine's
+        loader drops; None when they can."""
+        return None
+
+    def serving_files(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Files that tell how to serve the export (from the config.json being written): {name: JSON or bytes}."""
+        return {}
+
+    def format_state(
+        self, state: dict[str, torch.Tensor], head_config: HeadConfig, target: Target
+    ) -> dict[str, torch.Tensor]:
+        """The native state as the layout stores it, still under native names (e.g. a permuted projection, zero
+        biases the engine's block requires); `complete_native` undoes it on reading back."""
+        return state
+
     def adjust_expected(self, config: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:
         """Config options that add or remove tensors beyond the mapped native layout."""
 
@@ -214,14 +230,15 @@ class ExportFormat:
         config = self.config_json(head_config, target, dtype, options)
         tensors = {
             self.format_name(name, config): tensor
-            for name, tensor in state.items()
+            for name, tensor in self.format_state(state, head_config, target).items()
             if self.draft_vocab == "tensors" or name not in DRAFT_VOCAB_TENSORS
         }
         if self.frozen:
             stored = target.frozen_tensors()
             tensors.update({name: stored[key] for key, name in self._frozen_names(config).items()})
         tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
-        return tensors, {CONFIG_FILENAME: config, **self.extra_files(state, head_config)}
+        files = {**self.extra_files(state, head_config), **self.serving_files(config)}
+        return tensors, {CONFIG_FILENAME: config, **files}
 
     # ---- derived: reading back ---------------------------------------------------------------------------------------
 

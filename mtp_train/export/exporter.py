@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from mtp_train.errors import UserError
 from mtp_train.export.common import (
-    BLOCK_KEY, CHECKSUMS_KEY, CONFIG_FILENAME, HEAD_CONFIG_FILENAME, WEIGHTS_FILENAME, Target, check_out_dir,
-    parse_dtype, write_directory,
+    BLOCK_KEY, CHECKSUMS_KEY, CONFIG_FILENAME, DRAFT_VOCAB_TENSORS, HEAD_CONFIG_FILENAME, WEIGHTS_FILENAME, Target,
+    check_out_dir, parse_dtype, write_directory,
 )
 from mtp_train.export.registry import get_format
 from mtp_train.fileio import json_bytes
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 
 def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | os.PathLike[str],
                 target_dir: str | os.PathLike[str] | None, dtype: str | None = None, overwrite: bool = False,
-                num_speculative_tokens: int = 3, verifier_name: str | None = None) -> Path:
+                num_speculative_tokens: int = 3, full_vocab: bool = False) -> Path:
     """Write the head saved at `head_dir` (by `heads.save_head`) as `format_name` into `out`.
 
     `target_dir`: the target the head was trained for. Every format needs it: it is checked against the head (hidden
@@ -30,7 +31,11 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
     theirs. The output is built in a temporary sibling directory and renamed into place; config.json's
     `mtp_train.checksums` records the sha256 of every other file (native's head_config.json also records its
     model.safetensors', as `save_head` does). The head is read with `heads.read_head`'s checks (its recorded
-    checksum, no NaN/Inf), and the tensors written must be finite too (a cast to float16 can overflow)."""
+    checksum, no NaN/Inf), and the tensors written must be finite too (a cast to float16 can overflow).
+    `num_speculative_tokens`: k in the serving arguments a format writes (vllm-mtp's vllm_serve.json / SERVING.md).
+    `full_vocab`: export a head trained with a reduced draft vocabulary as a full-vocabulary head (its d2t/t2d
+    dropped: it then drafts over the target's whole lm_head; the formats without a draft vocabulary refuse it
+    otherwise); config.json's mtp_train block records the dropped size as `full_vocab_from_draft_vocab_size`."""
     fmt = get_format(format_name)
     if num_speculative_tokens < 1:
         raise UserError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
@@ -47,7 +52,14 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
     if not head_dir.is_dir():
         raise UserError(f"{head_dir}: head directory not found")
     state, head_config = read_head(head_dir, target.config, target.fingerprint)
-    reason = fmt.refuse_reason(head_config, target)
+    full_vocab_from = None
+    if full_vocab and head_config.draft_vocab_size is not None:
+        full_vocab_from = head_config.draft_vocab_size
+        head_config = replace(head_config, draft_vocab_size=None)
+        state = {name: tensor for name, tensor in state.items() if name not in DRAFT_VOCAB_TENSORS}
+        log.warning("%s: exported with the full vocabulary (--full-vocab): the head was trained to draft %d of %d "
+                    "tokens and now drafts over all of them", head_dir, full_vocab_from, head_config.vocab_size)
+    reason = fmt.refuse_reason(head_config, target) or fmt.state_refusal(state, head_config)
     if reason:
         raise UserError(f"cannot export {head_dir} ({head_config.kind} head) as {fmt.name}: {reason}")
     stored = {tensor.dtype for tensor in state.values() if tensor.is_floating_point()}
@@ -56,7 +68,8 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
             raise UserError(f"{head_dir / WEIGHTS_FILENAME}: mixed dtypes {sorted(map(str, stored))}; pass --dtype")
         torch_dtype = stored.pop()
 
-    options = {"num_speculative_tokens": num_speculative_tokens, "verifier_name": verifier_name}
+    options = {"num_speculative_tokens": num_speculative_tokens, "out_resolved": str(out.resolve()),
+               "full_vocab_from": full_vocab_from}
     tensors, files = fmt.build(state, head_config, target, torch_dtype, options)
     expected = fmt.expected_tensors(files[CONFIG_FILENAME], out)
     got = {name: tuple(t.shape) for name, t in tensors.items()}

@@ -17,7 +17,7 @@ from mtp_train.export.registry import FORMATS
 from mtp_train.fileio import file_sha256, read_json_object
 
 # Heuristic detection order when the config does not name its format (native first: it may hold any names).
-_DETECT_ORDER = ("native", "speculators", "deepseek-mtp", "eagle")
+_DETECT_ORDER = ("native", "eagle3", "vllm-mtp", "deepseek-mtp", "eagle")  # vllm-mtp: also num_nextn_predict_layers
 
 
 def detect_format(directory: Path, config: dict[str, Any], names: set[str]) -> str | None:

@@ -21,6 +21,7 @@ from mtp_train.export.inspection import inspect_dir
 from mtp_train.export.registry import FORMATS
 from mtp_train.heads.draft_head import DraftHead
 from mtp_train.heads.io import build_head, check_head_state, check_target, load_head, read_safetensors
+from mtp_train.heads.vocab import ids_from_d2t
 from mtp_train.runtime.model import CausalLM
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ def load_any_head(directory: str | os.PathLike[str], target: CausalLM, dtype: to
     native, head_config, frozen = FORMATS[report.format].to_native(read_safetensors(weights), report.config, directory)
     check_target(head_config, target.config, target.fingerprint, str(directory / CONFIG_FILENAME))
     own = {"embed_tokens": target.model.embed_tokens.weight, "lm_head": target.lm_head.weight}
+    if "d2t" in native and "lm_head" in frozen:  # eagle3 stores only the draft vocabulary's rows of the lm_head
+        own["lm_head"] = own["lm_head"][ids_from_d2t(native["d2t"]).to(own["lm_head"].device)]
     for key, stored in frozen.items():
         if not _same_values(stored, own[key]):
             raise UserError(

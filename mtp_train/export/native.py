@@ -11,9 +11,11 @@ weights' `weights_sha256`, as `heads.save_head` writes it, so `heads.load_head` 
     head's layers: target num_hidden_layers + j), target_fingerprint, target_num_hidden_layers,
     hidden_state_input ("final_norm_output"), draft_feedback, torch_dtype, mtp_train {...}
 
-Both head kinds are representable. Tensor names:
+The mtp and eagle1 kinds are representable (an eagle3 head is refused: its run's head/ is its native form, and
+`eagle3` its engine format). Tensor names:
     mtp:    enorm.weight, hnorm.weight, eh_proj.weight [d, 2d] (columns: embed | hidden), layers.{j}.*, norm.weight
-    eagle1: fc.weight [d, 2d], fc.bias [d], layers.{j}.* (no layers.0.input_layernorm), no norm
+    eagle1: fc.weight [d, 2d], fc.bias [d] (absent for a head trained with head.fc_bias: false; config.json fc_bias),
+            layers.{j}.* (no layers.0.input_layernorm), no norm
 A reduced draft vocabulary of N tokens adds `d2t` int64 [N] (target id = i + d2t[i]) and `t2d` bool [V] (the names
 and dtypes `heads.save_head` writes, the EAGLE-3 pair vLLM/SGLang/speculators read) and `draft_vocab_size: N` to
 config.json; `torch_dtype` describes the floating-point tensors only. A full-vocabulary head has neither.
@@ -38,6 +40,10 @@ NATIVE_FORMAT_TAG = "mtp_train.native"
 class NativeFormat(ExportFormat):
     name = "native"
     kinds = ("mtp", "eagle1")
+    kind_refusal = (
+        "this layout describes mtp and eagle1 heads; an eagle3 head's native form is its run's head/ directory "
+        "itself (what `eval --head` and `generate --head` load), and engines read it as --format eagle3"
+    )
     description = "our runtime (heads.load_head / export.load_any_head)"
     draft_vocab = "tensors"
     required_fields = (
@@ -63,7 +69,7 @@ class NativeFormat(ExportFormat):
                 "input_layernorm": [is_mtp or j > 0 for j in range(n)],
                 "final_norm": is_mtp,
             },
-            "fc_bias": not is_mtp,
+            "fc_bias": head_config.kind == "eagle1" and head_config.fc_bias,
             "input_projection": "eh_proj" if is_mtp else "fc",
             "concat_order": ["embed", "hidden"],
             "layer": target.shape.to_dict(),
@@ -78,6 +84,10 @@ class NativeFormat(ExportFormat):
         if head_config.draft_vocab_size is not None:  # only then: a full-vocabulary export stays as it was
             config["draft_vocab_size"] = head_config.draft_vocab_size
         return config
+
+    def adjust_expected(self, config, expected):
+        if config["head_kind"] == "eagle1" and not config["fc_bias"]:  # trained with head.fc_bias: false
+            expected.pop("fc.bias", None)
 
     def extra_files(self, state, head_config):
         return {HEAD_CONFIG_FILENAME: head_config.to_dict()}

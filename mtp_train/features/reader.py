@@ -51,11 +51,15 @@ class FeatureReader:
         verify_hashes: bool = True,
         target_dir: str | Path | None = None,
         chat_template: str | Path | None = None,
+        aux_layers: tuple[int, ...] | None = None,
     ):
         """`expected_fingerprints`: manifest fingerprints the cache must have (e.g. {"target": ...}). `target_dir`
         (optional): the target this run uses; its tokenizer (with `chat_template`, the recipe's
         `data.chat_template`) must be the one that tokenized the data. Start-up checks the manifest against the
-        split's shards (the checks verify-features runs, features/checks.py) and every shard's sha256."""
+        split's shards (the checks verify-features runs, features/checks.py) and every shard's sha256.
+        `aux_layers` (an eagle3 head's inputs): batches carry exactly these stored layers, in this order, as
+        `aux_hidden`; a cache that does not store them all is refused, naming `precompute.aux_layers`. None: every
+        stored aux layer, as stored."""
         self.root = Path(root)
         self.manifest = load_manifest(self.root)  # names missing keys
         manifest_path = self.root / MANIFEST_FILENAME
@@ -78,6 +82,7 @@ class FeatureReader:
             if target_tokenizer != data_tokenizer:
                 raise UserError(tokenizer_mismatch(manifest_path, data_tokenizer,
                                                    self.manifest.get("tokenizer_source"), target_dir, target_tokenizer))
+        self.aux_index = self._aux_index(aux_layers)
         self.split, self.rank, self.world_size = split, rank, world_size
         self.micro_batch_tokens, self.seed, self.dtype = micro_batch_tokens, seed, dtype
         self.verify_hashes = verify_hashes
@@ -119,6 +124,21 @@ class FeatureReader:
             raise UserError(f"{self.root}: split {split!r} has no samples")
         self.epoch, self.batch_in_epoch = 0, 0
         self.epoch_batches(0)  # fail now, not mid-run, if the cache is too small for the ranks
+
+    def _aux_index(self, aux_layers: tuple[int, ...] | None) -> list[int] | None:
+        """Positions of `aux_layers` among the cache's stored aux layers (None: all of them, as stored)."""
+        if aux_layers is None:
+            return None
+        stored = [int(j) for j in self.manifest["aux_layers"]]
+        missing = [j for j in aux_layers if j not in stored]
+        if missing:
+            raise UserError(
+                f"{self.root / MANIFEST_FILENAME}: the feature cache stores the outputs of target layers {stored} "
+                f"(precompute.aux_layers when it was built), but the head reads layers {list(aux_layers)} "
+                f"({missing} not stored); set precompute.aux_layers: {list(aux_layers)} and rebuild the cache with "
+                "`mtp-train precompute --force`"
+            )
+        return [stored.index(j) for j in aux_layers]
 
     def _open(self, shard_id: int):
         if shard_id in self._handles:
@@ -172,9 +192,10 @@ class FeatureReader:
             hiddens.append(decode_hidden(handle.get_slice("hidden")[start:end], scale, self.dtype))
             if "target_argmax" in handle.keys():
                 argmaxes.append(handle.get_slice("target_argmax")[start:end])
-            if "aux_hidden" in handle.keys():
+            if "aux_hidden" in handle.keys() and self.aux_index != []:
                 aux_scale = handle.get_slice("aux_hidden_scale")[start:end] if "aux_hidden_scale" in handle.keys() else None
-                auxes.append(decode_hidden(handle.get_slice("aux_hidden")[start:end], aux_scale, self.dtype))
+                aux = decode_hidden(handle.get_slice("aux_hidden")[start:end], aux_scale, self.dtype)  # [n, n_aux, d]
+                auxes.append(aux if self.aux_index is None else aux[:, self.aux_index])
             lengths.append(length)
         return FeatureBatch(
             input_ids=torch.cat(ids).long(),

@@ -10,15 +10,27 @@ from typing import Any
 from mtp_train.errors import UserError
 from mtp_train.runtime.config import ModelConfig
 
-HEAD_KINDS = ("mtp", "eagle1")
+HEAD_KINDS = ("mtp", "eagle1", "eagle3")
+EAGLE3_NUM_AUX_LAYERS = 3  # EAGLE-3 fuses the target's low, middle and high layer outputs
 HEAD_INITS = ("random", "last_layer")
+
+
+def default_eagle3_aux_layers(num_hidden_layers: int) -> tuple[int, int, int]:
+    """The layers an EAGLE-3 head reads by default for a target of `num_hidden_layers` layers, in our convention
+    (output of decoder layer j, 0-based): vLLM and SGLang default to (2, L // 2, L - 3) counted as "the input of
+    layer i" (vLLM's `get_eagle3_default_aux_hidden_state_layers`, captured before layer i runs), i.e. the outputs
+    of layers (1, L // 2 - 1, L - 4); e.g. (1, 14, 26) for SmolLM2-135M's 30 layers."""
+    L = num_hidden_layers
+    return (1, L // 2 - 1, L - 4)
 
 
 @dataclass(frozen=True)
 class HeadConfig:
-    """A draft head's architecture. `kind`: "mtp" (DeepSeek-style, restored enorm/hnorm/final norm) or "eagle1"
-    (fc with bias, no input norms, no final norm). `hidden_size`, `vocab_size`, `model_type` are the target's and are
-    checked when the head is loaded against a target."""
+    """A draft head's architecture. `kind`: "mtp" (DeepSeek-style, restored enorm/hnorm/final norm), "eagle1"
+    (fc with bias, no input norms, no final norm) or "eagle3" (heads/eagle3.py: fc fuses the outputs of the three
+    target layers `aux_layers`, one midlayer whose attention reads cat(input_layernorm(embed), hidden_norm(h)), a
+    final norm). `hidden_size`, `vocab_size`, `model_type` are the target's and are checked when the head is loaded
+    against a target."""
 
     hidden_size: int
     vocab_size: int
@@ -29,7 +41,12 @@ class HeadConfig:
     # target's last decoder layer
     draft_vocab_size: int | None = None  # None = the full vocabulary; N = the head predicts N target tokens (d2t/t2d)
     target_fingerprint: str | None = None  # hash of the target it was trained for; checked on load when both known
-    aux_layers: tuple[int, ...] = ()  # target layers whose outputs the head reads (EAGLE-3, later); empty for now
+    # eagle3 only: the target decoder layers (0-based; their outputs, before the final norm) whose states `fc` fuses,
+    # low, middle, high: exactly 3. Empty for the other kinds.
+    aux_layers: tuple[int, ...] = ()
+    # eagle1 only: whether `fc` has a bias. vLLM's EAGLE-1 class builds fc without one (and drops a stored bias), so
+    # a head meant for vLLM (`export --format eagle`) is trained with fc_bias=False; an mtp head's eh_proj never has one.
+    fc_bias: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layers", tuple(int(j) for j in self.aux_layers))
@@ -44,16 +61,49 @@ class HeadConfig:
                 f"head draft_vocab_size must be between 1 and the target's vocab_size {self.vocab_size} (or null for "
                 f"the full vocabulary), got {self.draft_vocab_size}"
             )
-        if self.aux_layers:
+        if not self.fc_bias and self.kind == "mtp":
             raise UserError(
-                f"head aux_layers {list(self.aux_layers)} (EAGLE-3 inputs) are not supported yet; expected []"
+                "head fc_bias=false (recipe head.fc_bias) applies to eagle1 heads; an mtp head's eh_proj has no bias"
+            )
+        if self.kind == "eagle3":
+            self._check_eagle3()
+        elif self.aux_layers:
+            raise UserError(
+                f"head aux_layers {list(self.aux_layers)} are the inputs of an eagle3 head; a {self.kind} head reads "
+                "the target's final hidden state only (expected [])"
+            )
+
+    def _check_eagle3(self) -> None:
+        """What an EAGLE-3 head (vLLM's Eagle3LlamaForCausalLM layout) must be: 3 aux layers, one midlayer, random
+        init."""
+        layers = list(self.aux_layers)
+        if len(layers) != EAGLE3_NUM_AUX_LAYERS or any(j < 0 for j in layers) or layers != sorted(set(layers)):
+            raise UserError(
+                f"an eagle3 head reads exactly {EAGLE3_NUM_AUX_LAYERS} distinct target layers in increasing order "
+                f"(low, middle, high; precompute.aux_layers; engines concatenate them in layer order), got aux_layers "
+                f"{layers}"
+            )
+        if self.num_layers != 1:
+            raise UserError(f"an eagle3 head has one midlayer (head num_layers 1), got num_layers {self.num_layers}")
+        if self.init != "random":
+            raise UserError(
+                f"head init {self.init!r} is not available for an eagle3 head (its midlayer reads 2d-wide inputs, no "
+                "target layer has that shape); use init: random"
             )
 
     @staticmethod
     def for_target(config: ModelConfig, target_fingerprint: str | None = None, **options: Any) -> "HeadConfig":
-        """A head config for the target `config`; `options` are kind, num_layers, init, ..."""
-        return HeadConfig(hidden_size=config.hidden_size, vocab_size=config.vocab_size, model_type=config.model_type,
-                          target_fingerprint=target_fingerprint, **options)
+        """A head config for the target `config`; `options` are kind, num_layers, init, ... `aux_layers` must name
+        layers of this target."""
+        head_config = HeadConfig(hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                                 model_type=config.model_type, target_fingerprint=target_fingerprint, **options)
+        outside = [j for j in head_config.aux_layers if j >= config.num_hidden_layers]
+        if outside:
+            raise UserError(
+                f"head aux_layers {list(head_config.aux_layers)}: {outside} out of range; the target has "
+                f"{config.num_hidden_layers} decoder layers (0-based)"
+            )
+        return head_config
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -92,4 +142,6 @@ class HeadConfig:
 
 
 # The defaults of the options a recipe's `head` section sets (recipe.HeadSection reads them from here).
-HEAD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(HeadConfig) if f.name in ("kind", "num_layers", "init")}
+HEAD_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in fields(HeadConfig) if f.name in ("kind", "num_layers", "init", "fc_bias")
+}

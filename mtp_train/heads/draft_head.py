@@ -1,7 +1,8 @@
 """The draft head: a DeepSeek-style MTP head with restored norms, and its EAGLE-1 ablation (one flag apart).
 
     mtp:    x = eh_proj(cat(enorm(embed(t)), hnorm(h)))  -> layers -> norm -> frozen lm_head
-    eagle1: x = fc(cat(embed(t), h)) (+bias)              -> layers (first without input_layernorm) -> frozen lm_head
+    eagle1: x = fc(cat(embed(t), h)) (+bias unless head_config.fc_bias is False) -> layers (first without
+            input_layernorm) -> frozen lm_head
 
 The head reads the target's frozen `embed_tokens` and `lm_head` by reference: they are neither parameters nor
 state-dict entries of the head, `.to()` on the head leaves them alone, and they are read through `.detach()` so no
@@ -56,13 +57,7 @@ class DraftHead(nn.Module):
         backend: AttentionBackend | None = None,
     ):
         super().__init__()
-        if (head_config.hidden_size, head_config.vocab_size) != (config.hidden_size, config.vocab_size):
-            raise ValueError(
-                f"head config (hidden_size={head_config.hidden_size}, vocab_size={head_config.vocab_size}) does not "
-                f"match the target (hidden_size={config.hidden_size}, vocab_size={config.vocab_size})"
-            )
-        self.config = config
-        self.head_config = head_config
+        self._init_shared(config, head_config, embed_tokens, lm_head, backend)
         d = config.hidden_size
         self.is_mtp = head_config.kind == "mtp"
         if self.is_mtp:
@@ -70,11 +65,23 @@ class DraftHead(nn.Module):
             self.hnorm = RMSNorm(d, config.rms_norm_eps)
             self.eh_proj = nn.Linear(2 * d, d, bias=False)
         else:
-            self.fc = nn.Linear(2 * d, d, bias=True)
+            self.fc = nn.Linear(2 * d, d, bias=head_config.fc_bias)  # no bias: vLLM's EAGLE-1 fc
         self.layers = nn.ModuleList(
             DecoderLayer(config, use_input_norm=self.is_mtp or j > 0) for j in range(head_config.num_layers)
         )
         self.norm = RMSNorm(d, config.rms_norm_eps) if self.is_mtp else None
+
+    def _init_shared(self, config: ModelConfig, head_config: HeadConfig, embed_tokens: nn.Embedding,
+                     lm_head: nn.Linear, backend: AttentionBackend | None) -> None:
+        """What every head kind sets up (heads/eagle3.py too): the configs, the borrowed target parts and rotary
+        tables, the attention backend and, with a reduced draft vocabulary, the d2t/t2d buffers."""
+        if (head_config.hidden_size, head_config.vocab_size) != (config.hidden_size, config.vocab_size):
+            raise ValueError(
+                f"head config (hidden_size={head_config.hidden_size}, vocab_size={head_config.vocab_size}) does not "
+                f"match the target (hidden_size={config.hidden_size}, vocab_size={config.vocab_size})"
+            )
+        self.config = config
+        self.head_config = head_config
         with torch.device("cpu"):
             rotary = RotaryEmbedding(config)
         self._borrowed = _Borrowed(embed_tokens, lm_head, rotary)
@@ -86,11 +93,11 @@ class DraftHead(nn.Module):
 
     # ---- construction -------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def from_target(target: CausalLM, head_config: HeadConfig, dtype: torch.dtype | None = None) -> "DraftHead":
+    @classmethod
+    def from_target(cls, target: CausalLM, head_config: HeadConfig, dtype: torch.dtype | None = None) -> "DraftHead":
         """A head over `target`, initialized per `head_config.init`, on the target's device in `dtype` (default: the
-        target's)."""
-        head = DraftHead(target.config, head_config, target.model.embed_tokens, target.lm_head, target.backend)
+        target's). Called on `DraftHead` or a subclass (heads/eagle3.py), it builds that class."""
+        head = cls(target.config, head_config, target.model.embed_tokens, target.lm_head, target.backend)
         head.to(device=target.device, dtype=torch.float32)
         if head_config.init == "last_layer":
             head.init_from_target(target)
@@ -157,6 +164,12 @@ class DraftHead(nn.Module):
     @property
     def kind(self) -> str:
         return self.head_config.kind
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The target layers (0-based outputs) whose states the head's first step reads instead of the final hidden
+        state: empty for mtp/eagle1 (they read H), three for eagle3."""
+        return self.head_config.aux_layers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -249,9 +262,16 @@ class DraftHead(nn.Module):
             x = layer(x, cos, sin, batch, kv_cache.layers[j] if kv_cache is not None else None, self.backend)
         return self.norm(x) if self.norm is not None else x
 
+    def readout(self, out: torch.Tensor) -> torch.Tensor:
+        """The states the output projection reads from the head's output `out` [n, d]: `out` itself here (the mtp
+        head's output is already after its final norm, eagle1 has none); an eagle3 head applies its final norm."""
+        return out
+
     def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
-        """[n, d] head output -> [n, N] fp32 logits over the draft vocabulary (N = vocab with the full one) through
-        the target's frozen lm_head rows; map draft ids to target ids with `draft_ids`."""
+        """[n, d] head output (what `forward` returns) -> [n, N] fp32 logits over the draft vocabulary (N = vocab with
+        the full one) of its `readout` through the target's frozen lm_head rows; map draft ids to target ids with
+        `draft_ids`."""
+        out_hidden = self.readout(out_hidden)
         projection = self._borrowed.decode_projection
         if (projection is not None and out_hidden.shape[0] <= projection.max_rows
                 and not (torch.is_grad_enabled() and out_hidden.requires_grad)

@@ -23,6 +23,7 @@ from mtp_train.errors import UserError
 from mtp_train.fileio import atomic_write_bytes, file_sha256, json_bytes
 from mtp_train.heads.config import HeadConfig
 from mtp_train.heads.draft_head import DraftHead
+from mtp_train.heads.kinds import head_class
 from mtp_train.heads.vocab import check_d2t_t2d
 from mtp_train.runtime.config import ModelConfig
 from mtp_train.runtime.model import CausalLM
@@ -82,7 +83,7 @@ def check_head_state(
     with torch.device("meta"):
         embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
         lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        expected = DraftHead(config, head_config, embed, lm_head).state_dict()
+        expected = head_class(head_config.kind)(config, head_config, embed, lm_head).state_dict()
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
     if missing or unexpected:
@@ -257,10 +258,11 @@ def read_head(
 def build_head(
     target: CausalLM, head_config: HeadConfig, state: dict[str, torch.Tensor], dtype: torch.dtype | None
 ) -> DraftHead:
-    """A DraftHead over `target` (on its device) holding `state` (checked by `check_head_state`), its floating-point
+    """A head of its kind's class (`head_class`) over `target` (on its device) holding `state` (checked by `check_head_state`), its floating-point
     tensors in `dtype` (None: as stored; d2t/t2d keep int64/bool)."""
     with torch.device("meta"):
-        head = DraftHead(target.config, head_config, target.model.embed_tokens, target.lm_head, target.backend)
+        head = head_class(head_config.kind)(target.config, head_config, target.model.embed_tokens, target.lm_head,
+                                            target.backend)
     head.load_state_dict({k: v.to(device=target.device, dtype=(dtype or v.dtype) if v.is_floating_point() else v.dtype)
                           for k, v in state.items()}, assign=True)
     return head

@@ -313,13 +313,17 @@ def unrolled_losses(
     chunk_size: int | None = 1024,
     feature_beta: float = 1.0,
     target_argmax: torch.Tensor | None = None,  # [T] the cache's argmax of lm_head(H_t), if stored
+    first_inputs: torch.Tensor | None = None,  # [T, w] what step 1 reads at each position (default: target_hidden)
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:
     """Total loss Σ_k w_k (feature_weight · feature_k + kl_weight · kl_k), w_k = step_weight_decay^(k-1); metrics.
 
     Within each sequence (length n, no attention across sequences), step k has rows i = 0 .. n-1-k: row i reads
     (step-(k-1) output of row i, or H_i for k = 1; token t_{i+k}) at position i+k-1, is trained towards H_{i+k} and
     p(. | H_{i+k}), and counts where i+k+1 < n and loss_mask[i+k+1] == 1 (the token it helps predict, t_{i+k+1},
-    is an assistant token). `head` is called as `head(token_ids, hidden, batch)` and must expose `lm_head_weight`.
+    is an assistant token). `head` is called as `head(token_ids, hidden, batch)` and must expose `lm_head_weight`;
+    the losses read `head.readout(out)` when the head has one (an eagle3 head's final norm; its raw output is what the
+    next step reads). `first_inputs` replaces H_i as step 1's input (an eagle3 head: the target's aux layer states
+    [T, 3d], which it fuses itself); the targets stay H.
 
     Metrics (detached 0-dim tensors, left on the device; `rows` are ints): `loss`, and per step k `step{k}/feature`,
     `/kl`, `/top1`, `/top3`, `/alpha`, `/coverage` (means over counted rows), `/rows`. A head with a reduced draft
@@ -333,13 +337,14 @@ def unrolled_losses(
     metrics: dict[str, torch.Tensor | int | float] = {}
     flops = 0.0
     previous_out: torch.Tensor | None = None  # [R_{k-1}, d]
+    readout = getattr(head, "readout", None) or (lambda out: out)  # a DeepSpeed engine passes it on from the head
     previous_lengths: list[int] = []
     for k in range(1, unroll_steps + 1):
         rows = _step_rows(lengths, loss_mask, k)
         if rows.local.numel() == 0:
             break
         if previous_out is None:
-            hidden = target_hidden[rows.read - k]  # [R, d] H_i
+            hidden = (target_hidden if first_inputs is None else first_inputs)[rows.read - k]  # [R, w] H_i
         else:  # row i of each sequence at step k-1 is also row i at step k (the last row drops out)
             hidden = previous_out[_row_starts(previous_lengths, rows.lengths, device) + rows.local]  # [R, d]
         # A packed no-cache batch over the sequences that still have rows, at the rows' rotary positions.
@@ -347,7 +352,7 @@ def unrolled_losses(
         batch.positions = rows.local + (k - 1)
         out = head(token_ids[rows.read], hidden, batch)  # [R, d]
         losses = step_losses(
-            out, target_hidden[rows.read], rows.counted, head.lm_head_weight, chunk_size, feature_beta,
+            readout(out), target_hidden[rows.read], rows.counted, head.lm_head_weight, chunk_size, feature_beta,
             getattr(head, "draft_ids", None), None if target_argmax is None else target_argmax[rows.read],
         )
         step_loss = step_weight_decay ** (k - 1) * (feature_weight * losses.feature + kl_weight * losses.kl)

@@ -181,7 +181,7 @@ class TrainingRun:
     train_reader: Any  # features.reader.FeatureReader
     eval_reader: Any
     head_config: Any  # heads.config.HeadConfig
-    engine: Any  # deepspeed engine; engine.module is the DraftHead
+    engine: Any  # deepspeed engine; engine.module is the head (a DraftHead, or an Eagle3Head)
     total_steps: int
     draft_vocab_coverage: float | None
     run_id: str | None = None  # set by resume_from_checkpoint; None: resumed a checkpoint older than run ids
@@ -216,7 +216,7 @@ def setup(recipe) -> TrainingRun:
     from mtp_train.features.reader import FeatureReader
     from mtp_train.data.prepared import tokenizer_fingerprint
     from mtp_train.fingerprint import target_fingerprint
-    from mtp_train.heads import DraftHead
+    from mtp_train.heads import head_class
     from mtp_train.recipe import with_precision
     from mtp_train.runtime.loader import load_model
     from mtp_train.runtime.precision import resolve_precision
@@ -246,15 +246,16 @@ def setup(recipe) -> TrainingRun:
     fingerprint = target_fingerprint(recipe.target.path)
     # The target's tokenizer must be the one that tokenized the data; hashed once for both readers.
     tokenizer = tokenizer_fingerprint(recipe.target.path, recipe.data.chat_template)
+    head_config = recipe.head.head_config(target.config, fingerprint, recipe.precompute.aux_layers)
+    # An eagle3 head reads the cache's aux layers (precompute.aux_layers); the other kinds never load them.
     readers_kwargs = dict(micro_batch_tokens=train.micro_batch_tokens, rank=rank, world_size=world_size,
                           seed=train.seed, expected_fingerprints={"target": fingerprint, "tokenizer": tokenizer},
-                          target_dir=recipe.target.path)
+                          target_dir=recipe.target.path, aux_layers=head_config.aux_layers)
     train_reader = FeatureReader(recipe.features_dir, "train", dtype=target.dtype, **readers_kwargs)
     eval_reader = FeatureReader(recipe.features_dir, "eval", dtype=target.dtype,
                                 **{**readers_kwargs, "rank": 0, "world_size": 1})
-    head_config = recipe.head.head_config(target.config, fingerprint)
     torch.manual_seed(train.seed)
-    head = DraftHead.from_target(target, head_config, dtype=torch.float32)
+    head = head_class(head_config.kind).from_target(target, head_config, dtype=torch.float32)
     draft_vocab_coverage = None
     if head_config.draft_vocab_size is not None:
         draft_vocab_coverage = _choose_draft_vocab(head, target, recipe.features_dir, recipe.head.draft_vocab_source,
@@ -425,6 +426,7 @@ def train_step(run: TrainingRun, data) -> StepResult:
     import torch.distributed as dist
 
     from mtp_train.train.losses import add_sums, metric_sums, unrolled_losses
+    from mtp_train.train.validation import first_step_inputs
 
     accum = run.recipe.train.grad_accum
     sums: dict[str, float] = {"loss": 0.0, "tokens": 0.0}
@@ -438,6 +440,7 @@ def train_step(run: TrainingRun, data) -> StepResult:
             run.engine, batch.input_ids.to(run.device), batch.hidden.to(run.device), batch.loss_mask.to(run.device),
             batch.lengths, **run.loss_kwargs,
             target_argmax=None if batch.target_argmax is None else batch.target_argmax.to(run.device),
+            first_inputs=first_step_inputs(batch, run.device),
         )
         t2 = time.perf_counter()
         run.engine.backward(loss)

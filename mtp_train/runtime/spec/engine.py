@@ -105,11 +105,12 @@ def speculative_generate(
         start = time.perf_counter()
         batch = BatchInfo.for_sequences([r.target_view for r in requests], [len(p) for p in prompts], allocator, device)
         input_ids = torch.tensor([t for p in prompts for t in p], device=device)
-        out = target(input_ids, batch, target_cache, logits_indices=batch.last_token_indices(), return_hidden=True)
+        out = target(input_ids, batch, target_cache, logits_indices=batch.last_token_indices(), return_hidden=True,
+                     aux_layers=proposer.aux_layers)
         stats.target_forwards += 1
         stats.target_sequence_forwards += len(requests)
         first_tokens = sample(out.logits, sampling, generator).tolist()
-        hidden_per_request = out.hidden.split([len(p) for p in prompts])  # [n_b, d] each
+        hidden_per_request = proposer.target_states(out).split([len(p) for p in prompts])  # [n_b, d (3d)] each
         active = []
         for req, token, hidden in zip(requests, first_tokens, hidden_per_request):
             stats.prefill_tokens += 1
@@ -124,7 +125,7 @@ def speculative_generate(
         start = time.perf_counter()
         while active:
             # Draft: never more than can still be emitted (a step emits up to k_b + 1 tokens).
-            num_drafts = [min(k, max_new_tokens - len(outputs.token_ids[r.index]) - 1) for r in active]
+            num_drafts = [min(k, outputs.remaining(r.index) - 1) for r in active]
             proposals = proposer.propose(active, num_drafts, sampling, generator)
 
             # Verify: [t_last, d_1..d_k] per sequence in one target forward.
@@ -132,12 +133,13 @@ def speculative_generate(
             batch = BatchInfo.for_sequences([r.target_view for r in active], verify_lens, allocator, device)
             verify_ids = [[r.token_ids[-1], *p.draft_token_ids.tolist()] for r, p in zip(active, proposals)]
             input_ids = torch.tensor([t for ids in verify_ids for t in ids], device=device)  # [sum(k_b + 1)]
-            out = target(input_ids, batch, target_cache, return_hidden=True)  # logits [sum(k_b + 1), vocab]
+            out = target(input_ids, batch, target_cache, return_hidden=True,
+                         aux_layers=proposer.aux_layers)  # logits [sum(k_b + 1), vocab]
             stats.target_forwards += 1
             stats.target_sequence_forwards += len(active)
             stats.verify_sequence_steps += len(active)
             verdicts = verify(proposals, list(out.logits.split(verify_lens)), sampling, generator)
-            hidden_per_request = out.hidden.split(verify_lens)  # [k_b + 1, d] each
+            hidden_per_request = proposer.target_states(out).split(verify_lens)  # [k_b + 1, d (3d)] each
 
             still_active = []
             for req, k_b, verdict, hidden in zip(active, num_drafts, verdicts, hidden_per_request):

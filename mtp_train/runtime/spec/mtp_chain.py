@@ -1,6 +1,8 @@
 """The MTP chain proposer (vLLM: eagle.py): a draft head (`forward(token_ids, hidden, batch, kv_cache)`,
 `logits(out)`, `new_kv_cache(allocator)`, e.g. `mtp_train.heads.DraftHead`) whose row at position i reads
-`(H_i, t_{i+1})` (DESIGN.md).
+`(H_i, t_{i+1})` (DESIGN.md). An EAGLE-3 head (heads/eagle3.py, `aux_layers`) reads the target's aux layer states
+[3d] instead of H_i in its catch-up rows and fuses them itself; its draft steps read its own (pre-norm) outputs, as
+vLLM's EAGLE-3 proposer feeds them back.
 
 After the target has processed positions up to L-2 (L = committed tokens), the head runs over the rows
 `(H_i, t_{i+1})` it has not seen yet, with the target's own hidden states; the last of them, `(H_{L-2}, t_{L-1})`,
@@ -22,7 +24,7 @@ from mtp_train.runtime.spec.proposer import DraftState, Proposer, Request, rewin
 
 @dataclass
 class MTPChainState(DraftState):
-    target_hidden: torch.Tensor | None = None  # [m, d]: the target's H at positions hidden_start .. L-2
+    target_hidden: torch.Tensor | None = None  # [m, d] H (EAGLE-3: [m, 3d] aux states) at hidden_start .. L-2
     hidden_start: int = 0
     head_hidden: torch.Tensor | None = None  # [d]: the head's output of the row (H_{L-2}, t_{L-1})
 
@@ -51,6 +53,7 @@ class MTPChainProposer(Proposer):
                 raise UserError(f"the draft head's {key}={head_value} differs from the target's {key}={target_value}")
         super().__init__(target, allocator, head.new_kv_cache(allocator))
         self.head = head
+        self.aux_layers = tuple(getattr(head, "aux_layers", ()))  # an EAGLE-3 head reads these target layers
         draft_ids = getattr(head, "draft_ids", None)
         if draft_ids is not None:  # a reduced draft vocabulary
             self.draft_ids, self.target_vocab_size = draft_ids.to(self.device), head.config.vocab_size

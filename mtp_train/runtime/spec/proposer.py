@@ -103,6 +103,9 @@ class Proposer:
         # A draft with a reduced vocabulary: draft logits are [m, N] and draft id i is target id draft_ids[i].
         self.draft_ids: torch.Tensor | None = None  # [N] int64
         self.target_vocab_size: int | None = None
+        # Target layers (0-based outputs) whose states the draft reads instead of the final hidden state (an EAGLE-3
+        # head: three); the engine asks the target's prefill and verify forwards for them.
+        self.aux_layers: tuple[int, ...] = ()
 
     @classmethod
     def accepts(cls, draft) -> bool:
@@ -115,9 +118,18 @@ class Proposer:
     def check_lengths(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Raise UserError if the draft cannot hold prompt + max_new_tokens positions (a draft model's limit)."""
 
+    def target_states(self, out) -> torch.Tensor:
+        """The per-token target states this proposer drafts from, out of a target forward's `ForwardOutput` (run
+        with `return_hidden=True, aux_layers=self.aux_layers`): the final hidden state H [n, d], or with aux layers
+        their outputs concatenated in `aux_layers` order [n, len(aux_layers) * d]."""
+        if not self.aux_layers:
+            return out.hidden
+        return torch.cat([out.aux_hidden[j] for j in self.aux_layers], dim=-1)
+
     def observe_target(self, state: DraftState, hidden: torch.Tensor, first_position: int) -> None:
-        """The target's hidden states [n, d] at positions first_position.. of its last forward over this request (the
-        committed ones only); a proposer that drafts from them keeps them for `catch_up`."""
+        """The target's states (`target_states`: [n, d], or [n, 3d] for an EAGLE-3 head) at positions
+        first_position.. of its last forward over this request (the committed ones only); a proposer that drafts from
+        them keeps them for `catch_up`."""
 
     def catch_up(self, requests: list[Request]) -> None:
         raise NotImplementedError
