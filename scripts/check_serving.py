@@ -1,24 +1,30 @@
 """`make serve-check`: serve our exported heads in a real engine (vLLM, CPU) and compare it with our own evaluation.
 
-For each case of CASES (head kind, export format, how vLLM is told to use it), on the demo's held-out prompts:
+For each case of CASES (head kind, export format, how vLLM is told to use it), on the held-out prompts of the head's
+run (10, as the demo's eval):
   1. export the head (`mtp_train.export.export_head`, float32) to exports/serve-check/<format>/export;
   2. our side: `mtp-train eval --head <export>` (the engine the project ships; greedy, fp32, k tokens, the same
-     prompts and max new tokens), read from its report.json: mean acceptance length and acceptance per position;
+     prompts and max new tokens), read from its report.json: acceptance per position;
   3. vLLM's side, one process at a time (`.venv-vllm/bin/python` running this file with --vllm-worker): the target
-     alone (plain), then the target with the export as its speculative draft; CPU, fp32, greedy, enforce_eager, one
-     OpenMP thread; vLLM's spec-decode counters from `LLM.get_metrics()` (vllm:spec_decode_num_drafts,
-     _num_accepted_tokens, _num_accepted_tokens_per_pos);
-  4. checks: vLLM's speculative output == its plain output on every prompt; vLLM's mean acceptance length (1 +
-     accepted / drafts) and each position's acceptance (accepted at j / drafts) within TOLERANCE of ours (ours in
-     the same terms: 1 + the sum of our per-position acceptance).
-Prints a table and a last line `RESULT key=value ...`; exits 1 on any failed check.
+     alone (plain; run once and reused by every case with the same prompts), then the target with the export as its
+     speculative draft; CPU, fp32, greedy, enforce_eager, one OpenMP thread; vLLM's spec-decode counters from
+     `LLM.get_metrics()` (vllm:spec_decode_num_drafts, _num_accepted_tokens, _num_accepted_tokens_per_pos);
+  4. checks (`compare`): vLLM's speculative output == its plain output on every prompt; vLLM's mean acceptance length
+     (1 + accepted / drafts) and each position's acceptance (accepted at j / drafts) within TOLERANCE of ours (ours
+     in the same terms: 1 + the sum of our per-position acceptance); and our acceptance at position 1 above
+     MIN_ACCEPTANCE (a head that drafts nothing acceptable would make the comparison vacuous).
+Prints a table, the time per stage and a last line `RESULT key=value ...`; exits 1 if any case fails.
 
-The head: HEAD=<run dir or head dir> (environment or --head), else runs/smollm2-135m-mtp (what `make demo` trains),
-else a short training run of the default recipe (SHORT_RUN overrides; see `train_short_head`). A head with a reduced
-draft vocabulary is exported with --full-vocab for the MiMo-MTP layout (vLLM's MiMoMTP has none), and our side is
-evaluated on that same export, so both engines run the same full-vocabulary head.
+The head of each case's kind (`find_heads`): the entry of that kind in HEAD=<dir>[,<dir>...] (run directories or their
+head/; each entry's kind is read from its head_config.json), else the run `make demo` (or the kind's recipe) makes
+(RECIPES: runs/smollm2-135m-mtp, runs/smollm2-135m-eagle3), else a short run of the kind's recipe
+(`train_short_heads`: SHORT_DATA / SHORT_TRAIN overrides; the kinds share one prepared data set and one feature cache
+that stores every aux layer the recipes read). A head with a reduced draft vocabulary is exported with --full-vocab
+where the layout has none (vLLM's MiMoMTP), and our side is evaluated on that same export, so both engines run the
+same head; EAGLE-3 keeps it (d2t/t2d).
 
-One more case is one line in CASES (a kind, a format, the vLLM speculative method, whether it needs --full-vocab).
+One more case is one line in CASES (a kind, a format, the vLLM speculative method, whether it needs --full-vocab) and,
+for a new kind, one line in RECIPES.
 """
 
 from __future__ import annotations
@@ -29,19 +35,26 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 TOLERANCE = 0.02  # |vLLM - ours| for the mean acceptance length and for each position's acceptance
-DEFAULT_RUN = REPO / "runs" / "smollm2-135m-mtp"
+MIN_ACCEPTANCE = 0.05  # our acceptance at position 1 must exceed this: else both engines agreeing says little
 WORK = REPO / "exports" / "serve-check"  # exports, our eval reports, vLLM logs (git-ignored)
 # One vLLM process at a time, one thread each: this machine is shared (2 cores).
 VLLM_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
-# The short run trained when no head exists (default recipe + these overrides; `make serve-check` on a fresh clone).
-SHORT_RUN = ["name=serve-check", "data.max_samples=200", "train.epochs=1"]
+# The recipe of each head kind: its run directory (runs/<recipe stem>, what `make demo` or `mtp-train train --recipe`
+# makes) is the head checked when HEAD names none of that kind; a short run of it is trained when that is missing too.
+RECIPES = {"mtp": REPO / "recipes" / "smollm2-135m-mtp.yaml", "eagle3": REPO / "recipes" / "smollm2-135m-eagle3.yaml"}
+# The short runs (a fresh clone): few samples, so that precompute (one thread) takes a few minutes; a held-out share
+# that still leaves about 10 prompts; two epochs, so that the heads accept drafts (measured in docs/export.md).
+SHORT_NAME = "serve-check"  # runs/serve-check-<kind>, data/prepared/serve-check, data/features/serve-check
+SHORT_DATA = ["data.max_samples=200", "data.eval_fraction=0.05", f"data.output_dir=data/prepared/{SHORT_NAME}",
+              f"precompute.output_dir=data/features/{SHORT_NAME}"]
+SHORT_TRAIN = ["train.epochs=2"]
 
 
 @dataclass(frozen=True)
@@ -56,12 +69,41 @@ class Case:
     full_vocab: bool
     hf_overrides: dict | None = None
 
+    @property
+    def name(self) -> str:
+        return f"{self.kind}/{self.format}"
+
 
 CASES = [
     Case("mtp", "vllm-mtp", "mtp", full_vocab=True, hf_overrides={"num_nextn_predict_layers": 1}),
-    # EAGLE-1 (`eagle`, method "eagle") needs a head trained with head.fc_bias: false; the demo trains an mtp head.
+    # EAGLE-1 (`eagle`, method "eagle") needs a head trained with head.fc_bias: false; no recipe trains one.
     Case("eagle3", "eagle3", "eagle3", full_vocab=False),  # the draft vocabulary kept (d2t)
 ]
+
+
+@dataclass
+class HeadSource:
+    """The head a case checks: its run directory, head directory, the run's resolved recipe, and where it came from
+    ("HEAD", "run <dir>" for an existing run, "short run" for one trained here)."""
+
+    kind: str
+    run_dir: Path
+    head_dir: Path
+    origin: str
+
+    @property
+    def recipe(self) -> Path:
+        return self.run_dir / "recipe.resolved.yaml"
+
+
+@dataclass
+class Timer:
+    """Seconds per stage, in the order they ran (printed after the table)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, stage: str, started: float) -> None:
+        self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.perf_counter() - started, 1)
 
 
 # ---- the vLLM side (runs inside .venv-vllm) --------------------------------------------------------------------------
@@ -103,42 +145,58 @@ def run_vllm(job: dict, work: Path, label: str) -> dict:
     env = {**os.environ, **VLLM_ENV}
     with log_path.open("w") as log:
         proc = subprocess.run([str(VLLM_PYTHON), __file__, "--vllm-worker", str(job_path), str(out_path)],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
+                              check=False, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
     if proc.returncode != 0 or not out_path.is_file():
         tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
         raise RuntimeError(f"vLLM ({label}) failed with exit code {proc.returncode}; {log_path}:\n" + "\n".join(tail))
     return json.loads(out_path.read_text())
 
 
-def vllm_acceptance(metrics: dict, k: int) -> tuple[float, list[float]]:
-    """(mean acceptance length, acceptance per position) from vLLM's spec-decode counters."""
-    drafts = float(metrics.get("vllm:spec_decode_num_drafts") or 0)
-    accepted = float(metrics.get("vllm:spec_decode_num_accepted_tokens") or 0)
-    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [0] * k
-    if not drafts:
-        return 0.0, [0.0] * k
-    return 1.0 + accepted / drafts, [float(a) / drafts for a in per_pos]
+# ---- which head each case checks (runs in .venv) ---------------------------------------------------------------------
 
 
-# ---- our side (runs in .venv) ----------------------------------------------------------------------------------------
+def head_source(path: Path, origin: str) -> HeadSource:
+    """The HeadSource for a run directory or its head/ (the kind read from head_config.json); exits naming what is
+    missing."""
+    from mtp_train.errors import UserError
+    from mtp_train.heads.io import read_head_config
 
-
-def find_run(head: str | None) -> tuple[Path, Path, Path]:
-    """(run dir, head dir, recipe file) for HEAD (a run dir or its head/), the demo's run, or a short new run."""
-    if head:
-        path = Path(head).resolve()
-        run_dir = path.parent if (path / "head_config.json").is_file() else path
-        head_dir = path if (path / "head_config.json").is_file() else path / "head"
-    elif (DEFAULT_RUN / "head" / "head_config.json").is_file():
-        run_dir, head_dir = DEFAULT_RUN, DEFAULT_RUN / "head"
-    else:
-        run_dir = train_short_head()
-        head_dir = run_dir / "head"
-    recipe = run_dir / "recipe.resolved.yaml"
-    for needed in (head_dir / "head_config.json", recipe):
+    path = path.resolve()
+    is_head = (path / "head_config.json").is_file()
+    run_dir, head_dir = (path.parent, path) if is_head else (path, path / "head")
+    for needed in (head_dir / "head_config.json", run_dir / "recipe.resolved.yaml"):
         if not needed.is_file():
-            sys.exit(f"check_serving: {needed} not found (HEAD must be a run directory or its head/)")
-    return run_dir, head_dir, recipe
+            sys.exit(f"check_serving: {needed} not found ({origin}: expected a run directory or its head/)")
+    try:
+        kind = read_head_config(head_dir).kind
+    except UserError as err:
+        sys.exit(f"check_serving: {err}")
+    return HeadSource(kind, run_dir, head_dir, origin)
+
+
+def find_heads(head_arg: str | None, kinds: list[str], runs_dir: Path) -> dict[str, HeadSource | None]:
+    """The head each kind in `kinds` checks: the entry of that kind in `head_arg` (HEAD: comma-separated run or head
+    directories), else runs_dir/<its recipe's stem> when that holds a head, else None (a short run is trained)."""
+    given: dict[str, HeadSource] = {}
+    for entry in filter(None, (part.strip() for part in (head_arg or "").split(","))):
+        source = head_source(Path(entry), f"HEAD={entry}")
+        if source.kind in given:
+            sys.exit(f"check_serving: HEAD names two {source.kind} heads ({given[source.kind].head_dir}, "
+                     f"{source.head_dir}); give one per kind")
+        if source.kind not in kinds:
+            sys.exit(f"check_serving: HEAD={entry} is a {source.kind} head; the cases checked are for "
+                     f"{', '.join(kinds)} heads (CASES in scripts/check_serving.py)")
+        given[source.kind] = source
+    found: dict[str, HeadSource | None] = {}
+    for kind in kinds:
+        demo_run = runs_dir / RECIPES[kind].stem
+        if kind in given:
+            found[kind] = given[kind]
+        elif (demo_run / "head" / "head_config.json").is_file():
+            found[kind] = head_source(demo_run, f"run {demo_run.relative_to(runs_dir.parent)}")
+        else:
+            found[kind] = None
+    return found
 
 
 def mtp_train(*args: str, cwd: Path = REPO) -> None:
@@ -147,13 +205,35 @@ def mtp_train(*args: str, cwd: Path = REPO) -> None:
     subprocess.run(cmd, cwd=cwd, check=True)
 
 
-def train_short_head() -> Path:
-    """Train a short default-recipe head (SHORT_RUN overrides) in runs/serve-check; about 10 minutes on 2 cores."""
-    sets = [arg for item in SHORT_RUN for arg in ("--set", item)]
-    mtp_train("fetch-assets", "--dataset", "sharegpt")
-    for stage in ("prepare", "precompute", "train"):
-        mtp_train(stage, *sets)
-    return REPO / "runs" / "serve-check"
+def short_run_overrides(kinds: list[str]) -> list[str]:
+    """SHORT_DATA plus the one precompute.aux_layers every kind's recipe can read: the union of what the recipes
+    store (an eagle3 head reads its three layers; an mtp head reads none and its reader skips them), so that all the
+    short runs share one prepared data set and one feature cache (`prepare` / `precompute` of the second kind find
+    them up to date)."""
+    from mtp_train.recipe import load_recipe
+
+    aux = sorted({j for kind in kinds for j in load_recipe(RECIPES[kind]).precompute.aux_layers})
+    return [*SHORT_DATA, f"precompute.aux_layers=[{','.join(map(str, aux))}]"]
+
+
+def train_short_heads(kinds: list[str], timer: Timer) -> dict[str, HeadSource]:
+    """Train a short run of each kind's recipe (SHORT_DATA / SHORT_TRAIN) in runs/serve-check-<kind>."""
+    started = time.perf_counter()
+    mtp_train("fetch-assets", "--dataset", "sharegpt")  # the model comes with `make serve-check` (`make assets`)
+    timer.add("fetch-assets", started)
+    shared = short_run_overrides(kinds)
+    trained = {}
+    for kind in kinds:
+        sets = [arg for item in [f"name={SHORT_NAME}-{kind}", *shared, *SHORT_TRAIN] for arg in ("--set", item)]
+        for stage in ("prepare", "precompute", "train"):
+            started = time.perf_counter()
+            mtp_train(stage, "--recipe", str(RECIPES[kind]), *sets)
+            timer.add(f"{stage} ({kind})", started)
+        trained[kind] = head_source(REPO / "runs" / f"{SHORT_NAME}-{kind}", "short run")
+    return trained
+
+
+# ---- our side (runs in .venv) ----------------------------------------------------------------------------------------
 
 
 def resolve_paths(recipe_path: Path, run_dir: Path) -> list[str]:
@@ -173,7 +253,7 @@ def resolve_paths(recipe_path: Path, run_dir: Path) -> list[str]:
 
 
 def our_eval(recipe: Path, sets: list[str], export_dir: Path, out: Path, k: int, limit: int, max_new: int) -> dict:
-    """`mtp-train eval --head EXPORT` (fp32 decode, greedy), returning its report's mtp@k=K entry."""
+    """`mtp-train eval --head EXPORT` (fp32 decode, greedy), returning its report's <head>@k=K entry."""
     args = ["eval", "--recipe", str(recipe), "--head", str(export_dir), "--out", str(out), "--no-prompt-lookup",
             "--num-speculative-tokens", str(k), "--limit", str(limit), "--max-new-tokens", str(max_new)]
     for item in [*sets, "target.dtype=float32", "target.decode_dtype=float32", "target.device=cpu",
@@ -185,50 +265,129 @@ def our_eval(recipe: Path, sets: list[str], export_dir: Path, out: Path, k: int,
     return report["overall"][key]
 
 
-def check_case(case: Case, head_dir: Path, run_dir: Path, recipe: Path, sets: list[str], args) -> dict:
-    from mtp_train.export import export_head
-    from mtp_train.runtime.loader import load_tokenizer
+# ---- the comparison --------------------------------------------------------------------------------------------------
+
+
+def vllm_acceptance(metrics: dict, k: int) -> tuple[float, list[float]]:
+    """(mean acceptance length, acceptance per position) from vLLM's spec-decode counters: 1 + accepted / drafts, and
+    accepted at position j / drafts (every draft proposes k tokens; position j's token counts when 1..j all are)."""
+    drafts = float(metrics.get("vllm:spec_decode_num_drafts") or 0)
+    accepted = float(metrics.get("vllm:spec_decode_num_accepted_tokens") or 0)
+    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [0] * k
+    if not drafts:
+        return 0.0, [0.0] * k
+    return 1.0 + accepted / drafts, [float(a) / drafts for a in per_pos]
+
+
+def compare(case: Case, ours_pos: list[float], plain_outputs: list[list[int]], spec_outputs: list[list[int]],
+            metrics: dict, k: int) -> dict:
+    """The checks of one case: vLLM's speculative outputs equal its plain ones; vLLM's mean acceptance length and
+    per-position acceptance within TOLERANCE of ours; ours above MIN_ACCEPTANCE at position 1. `ours_pos`: our
+    acceptance per position (report.json); vLLM's mean acceptance length counts proposals before the output is cut at
+    max_tokens, so ours in the same terms is 1 + their sum (report.json's mean_acceptance_length counts committed
+    tokens after that cut, so it is lower by the last step's excess). Returns the result row, `failures` naming each
+    failed check."""
+    mal, per_pos = vllm_acceptance(metrics, k)
+    prompts = len(plain_outputs)
+    identical = sum(a == b for a, b in zip(plain_outputs, spec_outputs))
+    ours_mal = 1.0 + sum(ours_pos)
+    pos_diff = max(abs(a - b) for a, b in zip(per_pos, ours_pos))
+    failures = []
+    if identical != prompts or len(spec_outputs) != prompts:
+        failures.append(f"vLLM speculative output differs from plain on {prompts - identical}/{prompts} prompts")
+    if abs(mal - ours_mal) > TOLERANCE:
+        failures.append(f"mean acceptance length ours {ours_mal:.3f} vs vLLM {mal:.3f} (tolerance {TOLERANCE})")
+    if pos_diff > TOLERANCE:
+        failures.append(f"per-position acceptance differs by up to {pos_diff:.3f} (tolerance {TOLERANCE})")
+    if not ours_pos or ours_pos[0] <= MIN_ACCEPTANCE:
+        first = ours_pos[0] if ours_pos else 0.0
+        failures.append(f"our acceptance at position 1 is {first:.3f} <= {MIN_ACCEPTANCE}: the head drafts too little "
+                        "for the comparison to mean anything (train it longer)")
+    return {"case": case.name, "prompts": prompts, "identical": identical,
+            "ours_mal": round(ours_mal, 4), "vllm_mal": round(mal, 4),
+            "ours_pos": [round(a, 4) for a in ours_pos], "vllm_pos": [round(a, 4) for a in per_pos],
+            "failures": failures, "ok": not failures}
+
+
+def summary_table(results: list[dict]) -> list[str]:
+    """The markdown table of the results (one row per case; an error row for a case that did not run)."""
+    header = "| case | head | prompts | vLLM spec == plain | mean acc. length ours / vLLM | per position ours / vLLM | ok |"
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r.get('head', '-')} | - | - | - | error: {r['error'].splitlines()[0]} "
+                         "| FAIL |")
+            continue
+        pos = ", ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(r["ours_pos"], r["vllm_pos"]))
+        lines.append(f"| {r['case']} | {r.get('head', '-')} | {r['prompts']} | {r['identical']}/{r['prompts']} | "
+                     f"{r['ours_mal']:.3f} / {r['vllm_mal']:.3f} | {pos} | {'ok' if r['ok'] else 'FAIL'} |")
+    return lines
+
+
+def result_line(results: list[dict]) -> str:
+    """`RESULT ok=... <case>_acceptance_ours=... <case>_acceptance_vllm=... <case>_pos1_ours=...
+    <case>_identical_outputs=n/N ... vllm=<version> tolerance=... min_pos1=...`: ok only if every case ran and
+    passed."""
+    fields = []
+    for r in results:
+        name = r["case"].replace("/", "_")
+        if "error" in r:
+            fields.append(f"{name}=error")
+            continue
+        fields += [f"{name}_acceptance_ours={r['ours_mal']:.3f}", f"{name}_acceptance_vllm={r['vllm_mal']:.3f}",
+                   f"{name}_pos1_ours={r['ours_pos'][0]:.3f}", f"{name}_identical_outputs={r['identical']}/{r['prompts']}"]
+    version = next((r["vllm_version"] for r in results if "vllm_version" in r), "unknown")
+    ok = bool(results) and all(r.get("ok") for r in results)
+    return (f"RESULT ok={str(ok).lower()} {' '.join(fields)} vllm={version} tolerance={TOLERANCE} "
+            f"min_pos1={MIN_ACCEPTANCE}")
+
+
+# ---- one case --------------------------------------------------------------------------------------------------------
+
+
+def check_case(case: Case, source: HeadSource, args, plain_runs: dict[str, dict], timer: Timer) -> dict:
+    """Export `source`'s head for `case`, evaluate it with our engine and with vLLM, and compare (`compare`).
+    `plain_runs`: vLLM's plain outputs by job (the target alone does not depend on the case: run once)."""
     from mtp_train.evaluate.prompts import load_heldout
+    from mtp_train.export import export_head
     from mtp_train.runtime.chat import stop_token_ids
     from mtp_train.runtime.config import load_config
+    from mtp_train.runtime.loader import load_tokenizer
 
     work = WORK / case.format
     work.mkdir(parents=True, exist_ok=True)
+    sets = resolve_paths(source.recipe, source.run_dir)
     target_dir = Path(sets[0].split("=", 1)[1])
     prepared_dir = Path(sets[1].split("=", 1)[1])
-    export_dir = work / "export"
-    export_head(head_dir, case.format, export_dir, target_dir, dtype="float32", overwrite=True,
-                num_speculative_tokens=args.k, full_vocab=case.full_vocab)
+    started = time.perf_counter()
+    export_dir = export_head(source.head_dir, case.format, work / "export", target_dir, dtype="float32",
+                             overwrite=True, num_speculative_tokens=args.k, full_vocab=case.full_vocab)
+    timer.add(f"export ({case.name})", started)
 
     started = time.perf_counter()
-    ours = our_eval(recipe, sets, export_dir, work / "ours", args.k, args.limit, args.max_new_tokens)
-    ours_seconds = time.perf_counter() - started
+    ours = our_eval(source.recipe, sets, export_dir, work / "ours", args.k, args.limit, args.max_new_tokens)
+    timer.add(f"our eval ({case.name})", started)
 
     prompts = [p.prompt_ids for p in load_heldout(prepared_dir, args.limit).prompts]
     stops = list(stop_token_ids(load_tokenizer(str(target_dir)), load_config(target_dir)))
     longest = max(len(p) for p in prompts) + args.max_new_tokens + args.k + 8
     job = {"target": str(target_dir), "prompts": prompts, "max_new_tokens": args.max_new_tokens,
            "stop_token_ids": stops, "max_model_len": longest, "speculative_config": None}
-    plain = run_vllm(job, work, "vllm-plain")
+    plain_key = json.dumps(job, sort_keys=True)
+    if plain_key not in plain_runs:
+        started = time.perf_counter()
+        plain_runs[plain_key] = run_vllm(job, work, "vllm-plain")
+        timer.add(f"vLLM plain ({case.name})", started)
+    plain = plain_runs[plain_key]
     spec_config = {"method": case.method, "model": str(export_dir), "num_speculative_tokens": args.k}
+    started = time.perf_counter()
     spec = run_vllm({**job, "speculative_config": spec_config, "hf_overrides": case.hf_overrides}, work, "vllm-spec")
+    timer.add(f"vLLM speculative ({case.name})", started)
 
-    mal, per_pos = vllm_acceptance(spec["metrics"], args.k)
-    identical = sum(a == b for a, b in zip(plain["outputs"], spec["outputs"]))
-    # vLLM's mean acceptance length is 1 + accepted drafts / drafts, counted before the output is cut at
-    # max_tokens; ours in the same terms is 1 + the sum of the per-position acceptance (report.json's
-    # mean_acceptance_length counts the committed tokens after that cut, so it is lower by the last step's excess).
-    ours_pos = ours["acceptance_per_position"]
-    ours_mal = round(1.0 + sum(ours_pos), 4)
-    pos_diff = max(abs(a - b) for a, b in zip(per_pos, ours_pos))
-    result = {
-        "case": f"{case.kind}/{case.format}", "prompts": len(prompts), "identical": identical,
-        "ours_mal": ours_mal, "vllm_mal": round(mal, 4), "ours_pos": ours_pos, "vllm_pos": [round(a, 4) for a in per_pos],
-        "ours_tau": ours.get("tau"), "ours_greedy_match": ours.get("greedy_match"),
-        "vllm_version": spec["vllm_version"], "seconds": {"ours": round(ours_seconds, 1),
-                                                          "vllm_plain": plain["seconds"], "vllm_spec": spec["seconds"]},
-    }
-    result["ok"] = (identical == len(prompts) and abs(mal - ours_mal) <= TOLERANCE and pos_diff <= TOLERANCE)
+    result = compare(case, ours["acceptance_per_position"], plain["outputs"], spec["outputs"], spec["metrics"], args.k)
+    result.update({"head": source.origin, "head_dir": str(source.head_dir), "ours_tau": ours.get("tau"),
+                   "vllm_version": spec["vllm_version"],
+                   "vllm_seconds": {"plain": plain["seconds"], "spec": spec["seconds"]}})
     (work / "result.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -237,57 +396,57 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--head", default=os.environ.get("HEAD") or None,
-                        help="a run directory or its head/ (default: $HEAD, else runs/smollm2-135m-mtp, else train one)")
+                        help="run directories or their head/, comma-separated, at most one per head kind (default: "
+                             "$HEAD; a kind not named: runs/<its recipe's stem>, else a short run trained here)")
+    parser.add_argument("--cases", default=os.environ.get("CASES") or None,
+                        help="comma-separated formats to check (default: $CASES, else every case of CASES)")
     parser.add_argument("--k", type=int, default=3, help="speculative tokens (default 3)")
     parser.add_argument("--limit", type=int, default=10, help="held-out prompts (default 10, as the demo's eval)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--cases", default=None, help="comma-separated formats to check (default: all in CASES)")
     args = parser.parse_args()
     if args.vllm_worker:
         vllm_worker(*args.vllm_worker)
         return 0
     if not VLLM_PYTHON.is_file():
         sys.exit(f"check_serving: {VLLM_PYTHON} not found; run `make serve-check` (it builds .venv-vllm)")
+    wanted = [name.strip() for name in args.cases.split(",")] if args.cases else [c.format for c in CASES]
+    unknown = sorted(set(wanted) - {c.format for c in CASES})
+    if unknown:
+        sys.exit(f"check_serving: unknown case(s) {', '.join(unknown)}; the cases are "
+                 f"{', '.join(c.format for c in CASES)}")
+    cases = [c for c in CASES if c.format in wanted]
+    kinds = list(dict.fromkeys(c.kind for c in cases))
 
-    run_dir, head_dir, recipe = find_run(args.head)
-    sets = resolve_paths(recipe, run_dir)
-    from mtp_train.heads.io import read_head_config
+    timer = Timer()
+    begun = time.perf_counter()
+    heads = find_heads(args.head, kinds, REPO / "runs")
+    missing = [kind for kind, source in heads.items() if source is None]
+    if missing:
+        print(f"check_serving: no {', '.join(missing)} head given or trained; training short runs "
+              f"(runs/{SHORT_NAME}-<kind>)", flush=True)
+        heads.update(train_short_heads(missing, timer))
+    for case in cases:
+        print(f"check_serving: {case.name}: head {heads[case.kind].head_dir} ({heads[case.kind].origin})", flush=True)
 
-    kind = read_head_config(head_dir).kind
-    wanted = set(args.cases.split(",")) if args.cases else None
-    cases = [c for c in CASES if c.kind == kind and (wanted is None or c.format in wanted)]
-    if not cases:
-        sys.exit(f"check_serving: no case in CASES for a {kind} head ({head_dir})")
-    print(f"check_serving: head {head_dir} ({kind}); cases: {', '.join(c.format for c in cases)}", flush=True)
-    results = []
+    results, plain_runs = [], {}
     for case in cases:
         try:
-            results.append(check_case(case, head_dir, run_dir, recipe, sets, args))
+            results.append(check_case(case, heads[case.kind], args, plain_runs, timer))
         except (RuntimeError, subprocess.CalledProcessError) as err:
-            results.append({"case": f"{case.kind}/{case.format}", "ok": False, "error": str(err)})
+            results.append({"case": case.name, "head": heads[case.kind].origin, "ok": False, "error": str(err)})
             print(err, file=sys.stderr)
 
-    print("\n| case | prompts | vLLM spec == plain | mean acc. length ours / vLLM | per position ours / vLLM | ok |")
-    print("|---|---|---|---|---|---|")
+    print()
+    print("\n".join(summary_table(results)))
     for r in results:
-        if "error" in r:
-            print(f"| {r['case']} | - | - | - | error: {r['error'].splitlines()[0]} | FAIL |")
-            continue
-        pos = ", ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(r["ours_pos"], r["vllm_pos"]))
-        print(f"| {r['case']} | {r['prompts']} | {r['identical']}/{r['prompts']} | {r['ours_mal']:.3f} / "
-              f"{r['vllm_mal']:.3f} | {pos} | {'ok' if r['ok'] else 'FAIL'} |")
-    fields = []
-    for r in results:
-        name = r["case"].replace("/", "_")
-        if "error" in r:
-            fields.append(f"{name}=error")
-            continue
-        fields += [f"{name}_acceptance_ours={r['ours_mal']:.3f}", f"{name}_acceptance_vllm={r['vllm_mal']:.3f}",
-                   f"{name}_identical_outputs={r['identical']}/{r['prompts']}"]
-    version = next((r["vllm_version"] for r in results if "vllm_version" in r), "unknown")
-    ok = all(r["ok"] for r in results)
-    print(f"RESULT ok={str(ok).lower()} {' '.join(fields)} vllm={version} tolerance={TOLERANCE}")
-    return 0 if ok else 1
+        for failure in r.get("failures", []):
+            print(f"FAIL {r['case']}: {failure}")
+    print(f"Checks: vLLM speculative == vLLM plain on every prompt; mean acceptance length and each position within "
+          f"{TOLERANCE} of ours; ours at position 1 > {MIN_ACCEPTANCE} (the heads draft something).")
+    stages = ", ".join(f"{stage} {seconds:.0f} s" for stage, seconds in timer.seconds.items())
+    print(f"Time: {time.perf_counter() - begun:.0f} s in all ({stages})")
+    print(result_line(results))
+    return 0 if all(r.get("ok") for r in results) else 1
 
 
 if __name__ == "__main__":
