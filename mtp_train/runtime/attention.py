@@ -44,6 +44,13 @@ class BatchInfo:
         return int(self.positions.shape[0])
 
     @property
+    def max_q_len(self) -> int:
+        """The most new tokens any sequence brings (decode 1, verify k + 1, prefill its prompt)."""
+        if "max_q_len" not in self._plans:  # asked by every layer of a forward: computed once
+            self._plans["max_q_len"] = max(self.q_lens, default=0)
+        return self._plans["max_q_len"]
+
+    @property
     def uses_cache(self) -> bool:
         return self.slot_mapping is not None
 

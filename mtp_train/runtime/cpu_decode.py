@@ -155,7 +155,7 @@ class DecoderLayerKernel:
     @staticmethod
     def serves(batch: BatchInfo) -> bool:
         """Whether this path computes `batch`: a cached forward whose sequences each bring a few tokens."""
-        return batch.uses_cache and max(batch.q_lens, default=0) <= MAX_QUERY_PER_SEQUENCE
+        return batch.uses_cache and batch.max_q_len <= MAX_QUERY_PER_SEQUENCE
 
     def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
