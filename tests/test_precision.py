@@ -61,12 +61,35 @@ def test_avx2_keeps_fp32_decode_when_bf16_weights_are_not_faster():
     assert (precision.dtype, precision.decode_dtype, precision.split) == ("float32", "float32", False)
 
 
+def _native_timing(kernel_faster_up_to: int) -> dict[int, dict[str, float]]:
+    """A decode probe on a native-bf16 CPU: the decode kernel costs 1 ms per row, torch's bf16 matmul a flat
+    `kernel_faster_up_to` + 0.5 ms, fp32 always slower."""
+    return {rows: {"float32": 1.0, "bfloat16": rows * 1e-3, "bfloat16_torch": (kernel_faster_up_to + 0.5) * 1e-3}
+            for rows in (1, 2, 3, 4, 6, 8, 12, 16)}
+
+
 @pytest.mark.parametrize("facts", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx"])
-def test_native_bf16_cpu_uses_bf16_everywhere(facts):
-    precision = resolve_precision("auto", "auto", "cpu", facts=facts, decode_timer=_never_called,
+def test_native_bf16_cpu_prefills_in_bf16_without_timing(facts):
+    precision = resolve_precision("auto", "auto", "cpu", facts=facts, phases=("prefill",), decode_timer=_never_called,
                                   prefill_timer=_never_called)
     assert (precision.dtype, precision.decode_dtype, precision.split) == ("bfloat16", "bfloat16", False)
     assert "native bf16" in precision.reason
+
+
+@pytest.mark.parametrize("facts", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx"])
+def test_native_bf16_cpu_decodes_through_the_kernels_where_they_win(facts):
+    """The decode kernels need an fp32 model: where they beat torch's native bf16 matmul, the weights are fp32 with
+    bf16 decode copies up to the row count where they win; where they lose at 1 row, bf16 everywhere."""
+    kernels = resolve_precision("auto", "auto", "cpu", facts=facts, decode_timer=lambda: _native_timing(4),
+                                prefill_timer=_never_called)
+    assert (kernels.dtype, kernels.decode_dtype, kernels.decode_max_rows) == ("float32", "bfloat16", 4)
+    assert "native bf16" in kernels.reason and "decode kernels" in kernels.reason
+    torch_wins = {rows: {**times, "bfloat16": 1.0} for rows, times in _native_timing(4).items()}
+    plain = resolve_precision("auto", "auto", "cpu", facts=facts, decode_timer=lambda: torch_wins,
+                              prefill_timer=_never_called, reprobe=True)
+    assert (plain.dtype, plain.decode_dtype, plain.split) == ("bfloat16", "bfloat16", False)
+    pinned = resolve_precision("auto", "bfloat16", "cpu", facts=facts, decode_timer=_never_called)
+    assert (pinned.dtype, pinned.decode_dtype, pinned.split) == ("bfloat16", "bfloat16", False)
 
 
 def test_cuda_uses_bf16_where_supported_else_fp32():

@@ -100,12 +100,16 @@ def test_auto_dtype_parity_with_transformers(real, auto_model):
     _, hf, prompts = real
     for ref, ours in _paged_logits(model, hf, prompts[:3]):
         split = ref.shape[0] - 8
-        if precision.dtype == "float32":
-            assert (ours[:split] - ref[:split]).abs().max() <= TOL  # many rows: the fp32 weights
-        decoded, expected = ours[split:], ref[split:]
         # bf16 weights and matmul outputs keep 8 significant bits: the logits (up to ~25 here) round in steps of
         # up to 1/8, and 30 layers add to that; 2% of the largest logit bounds it (measured: 1.5%).
-        decode_tol = TOL if not precision.split else 0.02 * float(expected.abs().max())
+        bf16_tol = 0.02 * float(ref.abs().max())
+        if precision.dtype == "float32" and split > precision.decode_max_rows:
+            assert (ours[:split] - ref[:split]).abs().max() <= TOL  # many rows: the fp32 weights
+        elif precision.dtype == "bfloat16":  # a CPU with native bf16 whose decode probe chose torch's bf16 path:
+            bf16_tol *= 3  # bf16 activations too, not only weights (measured: 3.5% of the largest logit)
+            assert (ours[:split] - ref[:split]).abs().max() <= bf16_tol
+        decoded, expected = ours[split:], ref[split:]
+        decode_tol = TOL if precision.decode_dtype == "float32" else bf16_tol
         assert (decoded - expected).abs().max() <= decode_tol
         top2 = expected.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * decode_tol

@@ -9,7 +9,11 @@ Two phases meet the weights differently:
 
 `auto` resolves as follows (the reason is kept in `Precision.reason` and printed by every stage):
 - CUDA: bf16 where the GPU supports it, else fp32.
-- CPU with native bf16 matmul (AVX512-BF16 or AMX): bf16 for both phases.
+- CPU with native bf16 matmul (AVX512-BF16 or AMX): bf16 for prefill. A stage that decodes times the decode path
+  too: bf16 weights through the CPU decode kernels (fused layers, paged attention in place; they need an fp32 model)
+  against torch's native bf16 matmuls. Where the kernels win at 1 row (measured on a Zen 4, 2 cores: a SmolLM2 decode
+  step 2.9× faster), the weights are held in fp32 with bf16 decode copies up to the largest row count where they win,
+  as on AVX2-only CPUs; otherwise bf16 everywhere.
 - Other CPUs (AVX2-only x86 and most laptops): the flags are conclusive for prefill when they are x86 without those
   instructions: bf16 GEMMs fall back to slow kernels there (~6× slower than fp32 on a Zen 3), so fp32. Elsewhere (other
   architectures) a many-row matmul is timed in both dtypes. Decode is always timed: one weight set larger than the
@@ -42,7 +46,7 @@ log = logging.getLogger(__name__)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
-PROBE_FORMAT_VERSION = 3  # 3: bf16 timed through the CPU decode kernels where built
+PROBE_FORMAT_VERSION = 4  # 3: bf16 timed through the CPU decode kernels where built; 4: + torch's bf16 matmul
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,9 @@ def time_decode_matmuls(rows_list=PROBE_ROWS, budget_s: float = 0.08) -> dict[in
     totalling 170 MB in fp32 (larger than any last-level cache, so the weights stream from memory as in a decode step),
     with fp32 weights and with bf16 weights, each as the decode path would run it: fp32 through torch's `F.linear`
     (what forwards above `decode_max_rows` rows keep), bf16 through the CPU decode kernel (fp32 activations and
-    accumulation) when it is built, else through `F.linear` (activations cast to bf16, the result back)."""
+    accumulation) when it is built, else through `F.linear` (activations cast to bf16, the result back). Also
+    `"bfloat16_torch"`: bf16 activations and weights through `F.linear` (a bf16 model's own path; native on CPUs with
+    AVX512-BF16 or AMX)."""
     from mtp_train.runtime.kernels import cpu_kernels
 
     ops = cpu_kernels()
@@ -105,7 +111,9 @@ def time_decode_matmuls(rows_list=PROBE_ROWS, budget_s: float = 0.08) -> dict[in
             bf16 = best_seconds(lambda: [ops.linear(x, w, None, None) for w in weights16], budget_s)
         else:
             bf16 = best_seconds(lambda: [F.linear(x.to(torch.bfloat16), w).float() for w in weights16], budget_s)
-        result[rows] = {"float32": fp32, "bfloat16": bf16}
+        x16 = x.to(torch.bfloat16)
+        bf16_torch = best_seconds(lambda: [F.linear(x16, w) for w in weights16], budget_s)
+        result[rows] = {"float32": fp32, "bfloat16": bf16, "bfloat16_torch": bf16_torch}
     return result
 
 
@@ -162,6 +170,19 @@ def decode_rows_for_bf16(timing: dict[int, dict[str, float]], margin: float = 1.
     return best
 
 
+def decode_rows_for_kernels(timing: dict[int, dict[str, float]], margin: float = 1.05) -> int:
+    """On a CPU with native bf16 matmul: the largest row count up to which bf16 weights through the decode kernels
+    beat torch's bf16 matmul by `margin` at every measured count (0: never, or a probe without that timing)."""
+    best = 0
+    for rows in sorted(timing):
+        torch_bf16 = timing[rows].get("bfloat16_torch")
+        if torch_bf16 is not None and torch_bf16 >= margin * timing[rows]["bfloat16"]:
+            best = rows
+        else:
+            break
+    return best
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # resolution
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,7 +219,19 @@ def resolve_precision(
     facts = facts or cpu_facts()
     if facts.native_bf16:
         native = ", ".join(flag for flag in ("avx512_bf16", "amx_bf16") if flag in facts.flags)
-        return _with_decode("bfloat16", decode_dtype, f"CPU has native bf16 matmul ({native})")
+        reason = f"CPU has native bf16 matmul ({native})"
+        if decode_dtype != "auto" or "decode" not in phases:
+            return _with_decode("bfloat16", decode_dtype, reason)
+        timing = decode_probe(facts, reprobe=reprobe, timer=decode_timer)
+        rows = decode_rows_for_kernels(timing)
+        if rows == 0:
+            return Precision("bfloat16", "bfloat16", 0, reason + "; decode timed: torch's bf16 matmuls as fast as "
+                             "the decode kernels")
+        one = timing[min(timing)]
+        return Precision("float32", "bfloat16", rows,
+                         reason + f"; decode timed: bf16 weights through the decode kernels "
+                         f"{one['bfloat16_torch'] / one['bfloat16']:.1f}× faster than torch's bf16 matmul at 1 row, "
+                         f"faster up to {rows} rows (they need fp32 weights: prefill in fp32)")
     if facts.is_x86:
         prefill, reason = "float32", (f"{facts.capability} CPU without avx512_bf16/amx_bf16: bf16 GEMMs fall back to "
                                       "slow kernels, fp32 for many rows")
