@@ -62,6 +62,12 @@ class TargetSection(_Section):
         "set, else timed on this machine (bf16 weights where they are faster: half the bytes to stream)",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    tensor_parallel: int = Field(
+        1, ge=1, le=64,
+        description="ranks one copy of the target is split over (attention heads and MLP columns; runtime/"
+        "tensor_parallel.py) in precompute and eval; under torchrun the world size must be a multiple of it: W/N "
+        "data-parallel groups of N ranks each (`--tp N` sets it)",
+    )
 
 
 class DataSource(_Section):
@@ -157,7 +163,12 @@ class HeadSection(_Section):
         HEAD_DEFAULTS["kind"], description="mtp = restored norms; eagle1 = the EAGLE-1 ablation; eagle3 = EAGLE-3 "
         "(reads the target layers precompute.aux_layers)")
     num_layers: int = Field(HEAD_DEFAULTS["num_layers"], ge=1)
-    init: Literal["random", "last_layer"] = Field(HEAD_DEFAULTS["init"], description="decoder layer init (random measured better than last_layer)")
+    init: Literal["random", "last_layer", "from_checkpoint"] = Field(
+        HEAD_DEFAULTS["init"], description="decoder layer init (random measured better than last_layer); "
+        "from_checkpoint: the MTP module a DeepSeek-V3/R1 checkpoint ships (model.layers.{num_hidden_layers})")
+    block_mlp: Literal["dense", "moe"] = Field(
+        HEAD_DEFAULTS["block_mlp"], description="DeepSeek targets: the MTP block's MLP, dense (intermediate_size) or "
+        "the target's MoE (as DeepSeek ships it; needed by init from_checkpoint)")
     draft_vocab_size: int | Literal["full"] = Field("full", description="'full' or a reduced draft vocabulary size")
     fc_bias: bool = Field(
         HEAD_DEFAULTS["fc_bias"],
@@ -185,6 +196,7 @@ class HeadSection(_Section):
             target_config, target_fingerprint=target_fingerprint, kind=self.kind, num_layers=self.num_layers,
             init=self.init, draft_vocab_size=None if self.draft_vocab_size == "full" else self.draft_vocab_size,
             fc_bias=self.fc_bias, aux_layers=tuple(aux_layers) if self.kind == "eagle3" else (),
+            block_mlp=self.block_mlp,
         )
 
 

@@ -16,6 +16,9 @@ Paths (each with its own target, weight copies and head):
 2. Speculative speed on MT-bench prompts (`auto` path; the slower paths would take too long): transformers
    `generate` and its prompt lookup (in the dtype of our decode weights), our plain decode on the `auto` and `torch`
    paths, our MTP speculative decode at each k and our prompt lookup; tokens/s, ratios and τ.
+3. Trees (`--trees`, `auto` path): the head's draft trees (DEPTHxTOPKxNODES, +lookup for the hybrid tree) on the same
+   prompts; tokens/s and τ of each against the best chain k, and the tree verify's cost (tree mask) beside a causal
+   verify of the same size, relative to a decode step (short prompt).
 
 Ends with one `RESULT` line: `decode_bw_frac`, `verify4_over_decode` (auto, short prompt), `speedup_best` (auto, best
 MTP k over auto plain), `long_decode_over_short` (auto), per-path figures and the machine.
@@ -267,6 +270,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default="auto", help="the `auto` path's dtype: auto | float32 | bfloat16")
     parser.add_argument("--quick", action="store_true", help="2 prompts, 48 tokens, k = 1 and 3, fewer repeats")
+    parser.add_argument("--trees", nargs="*", default=["4x2x8", "5x3x16", "4x2x8+lookup"], metavar="DxKxN[+lookup]",
+                        help="tree shapes run beside the chain (none: skip the trees)")
     args = parser.parse_args()
     repeats_short, repeats_long = 8, 2  # calls per round of `target_step_seconds` (best of 3 rounds, 3 warm-up calls)
     if args.quick:
@@ -347,6 +352,16 @@ def main() -> None:
             auto.target, auto.head, [ids], args.new_tokens, k, stop_token_ids=stops))
     contenders["auto_lookup_k3"] = lambda ids: _spec(speculative_generate(
         auto.target, PromptLookup(), [ids], args.new_tokens, 3, stop_token_ids=stops))
+    from mtp_train.runtime.spec import DraftTree
+    from mtp_train.runtime.spec.tree import parse_tree_method
+
+    trees = {}
+    for spec in args.trees:
+        shape, hybrid = parse_tree_method(spec)
+        trees[f"auto_tree_{spec}"] = DraftTree(auto.head, shape, PromptLookup() if hybrid else None)
+    for name, tree in trees.items():
+        contenders[name] = lambda ids, tree=tree: _spec(speculative_generate(
+            auto.target, tree, [ids], args.new_tokens, stop_token_ids=stops))
     started = time.perf_counter()
     totals = run_contenders(contenders, prompts)
     print(f"\n{len(contenders)} contenders run in {time.perf_counter() - started:.1f} s")
@@ -360,8 +375,36 @@ def main() -> None:
     if "torch_plain" in totals:
         print(f"auto plain vs torch plain: {plain_tps / totals['torch_plain'].tokens_per_second:.2f}×")
 
-    # 3. RESULT
     best = max((name for name in totals if name.startswith("auto_mtp")), key=lambda n: totals[n].tokens_per_second)
+    tree_fields = {}
+    if trees:
+        from mtp_train.runtime.spec.costs import measure_tree_costs
+
+        shapes = list({tree.shape.label: tree.shape for tree in trees.values()}.values())
+        costs = measure_tree_costs(auto.target, short_ids, shapes, profiles["auto", "short"].decode_seconds,
+                                   repeats_short)
+        chain_tps, chain_tau = totals[best].tokens_per_second, totals[best].tau
+        print(f"\ntrees against the best chain ({best}: {chain_tps:.1f} tok/s, τ {chain_tau:.2f}); verify costs after "
+              f"the short prompt, relative to one decode step")
+        print(f"{'tree':22s} {'tok/s':>8s} {'vs chain':>8s} {'tau':>6s} {'tau/chain':>9s} {'verify':>7s} "
+              f"{'causal':>7s} {'mask':>6s}")
+        for name, tree in trees.items():
+            total, cost = totals[name], costs[tree.shape.label]
+            print(f"{name:22s} {total.tokens_per_second:8.1f} {total.tokens_per_second / chain_tps:8.2f} "
+                  f"{total.tau:6.2f} {total.tau / chain_tau:9.2f} {cost.verify_over_decode:7.2f} "
+                  f"{cost.causal_verify_over_decode:7.2f} {cost.mask_cost:6.2f}")
+        best_tree = max(trees, key=lambda n: totals[n].tokens_per_second)
+        tree_fields = {
+            "best_tree": best_tree.removeprefix("auto_tree_"),
+            "tree_speedup_best": f"{totals[best_tree].tokens_per_second / plain_tps:.3f}",
+            "tree_vs_chain_speedup": f"{totals[best_tree].tokens_per_second / chain_tps:.3f}",
+            "tree_tau": f"{totals[best_tree].tau:.3f}",
+            "tree_tau_over_chain_tau": f"{totals[best_tree].tau / chain_tau:.3f}",
+            "tree_verify_over_decode": f"{costs[trees[best_tree].shape.label].verify_over_decode:.3f}",
+            "tree_mask_cost": f"{costs[trees[best_tree].shape.label].mask_cost:.3f}",
+        }
+
+    # 3. RESULT
     short, long = profiles["auto", "short"], profiles["auto", "long"]
     fields = {
         "decode_bw_frac": f"{short.bandwidth_fraction(bandwidth):.3f}",
@@ -393,6 +436,7 @@ def main() -> None:
         "plain_vs_hf": f"{plain_tps / hf_tps:.3f}",
         "hf_lookup_vs_hf": f"{totals['hf_prompt_lookup'].tokens_per_second / hf_tps:.3f}",
     }
+    fields |= tree_fields
     if "torch_plain" in totals:
         fields["auto_plain_vs_torch_plain"] = f"{plain_tps / totals['torch_plain'].tokens_per_second:.3f}"
     fields |= {f"mtp_k{k}_speedup": f"{totals[f'auto_mtp_k{k}'].tokens_per_second / plain_tps:.3f}" for k in args.ks}

@@ -70,32 +70,39 @@ def test_torchrun_zero2_two_ranks_loss_falls_and_head_has_no_frozen_tensors(feat
     assert summary["world_size"] == 2 and "val/step1/top1" in summary
 
 
-def test_frozen_target_tensors_unchanged(features):
-    from mtp_train.runtime.loader import load_model
+@pytest.mark.parametrize("init", ["random", "last_layer"])
+def test_frozen_target_tensors_unchanged(features, monkeypatch, init):
+    """Training reads only the target's frozen parts (never builds the whole target; the last layer only for init
+    last_layer, released after the head's init) and leaves them untouched."""
+    import mtp_train.runtime.frozen_parts as frozen_parts
+    import mtp_train.runtime.loader as loader
     from mtp_train.train import trainer
 
     root, overrides = features
-    recipe = load_recipe(RECIPE, overrides + [f"train.run_dir={root / 'run-frozen'}", "train.max_steps=4"])
+    recipe = load_recipe(RECIPE, overrides + [f"train.run_dir={root / f'run-frozen-{init}'}", "train.max_steps=4",
+                                              f"head.init={init}"])
     captured = {}
-    import mtp_train.runtime.loader as loader
+    load_frozen_parts = frozen_parts.load_frozen_parts
 
     def capturing_load(*args, **kwargs):
-        model = load_model(*args, **kwargs)
-        captured["model"] = model
-        captured["embed"] = model.model.embed_tokens.weight.detach().clone()
-        captured["lm_head"] = model.lm_head.weight.detach().clone()
-        return model
+        parts = load_frozen_parts(*args, **kwargs)
+        captured["parts"] = parts
+        captured["embed"] = parts.embed_tokens.weight.detach().clone()
+        captured["lm_head"] = parts.lm_head.weight.detach().clone()
+        captured["read_last_layer"] = parts.last_layer is not None
+        return parts
 
-    loader_load = loader.load_model
-    loader.load_model = capturing_load
-    try:
-        trainer.run_training(recipe, show_progress=False)
-    finally:
-        loader.load_model = loader_load
-    model = captured["model"]
-    assert torch.equal(model.model.embed_tokens.weight, captured["embed"])
-    assert torch.equal(model.lm_head.weight, captured["lm_head"])
-    assert model.model.embed_tokens.weight.grad is None and model.lm_head.weight.grad is None
+    def no_full_load(*args, **kwargs):
+        raise AssertionError("training built the whole target")
+
+    monkeypatch.setattr(frozen_parts, "load_frozen_parts", capturing_load)
+    monkeypatch.setattr(loader, "load_model", no_full_load)
+    trainer.run_training(recipe, show_progress=False)
+    parts = captured["parts"]
+    assert torch.equal(parts.embed_tokens.weight, captured["embed"])
+    assert torch.equal(parts.lm_head.weight, captured["lm_head"])
+    assert parts.embed_tokens.weight.grad is None and parts.lm_head.weight.grad is None
+    assert captured["read_last_layer"] == (init == "last_layer") and parts.last_layer is None
 
 
 @pytest.mark.slow

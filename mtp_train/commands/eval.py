@@ -32,6 +32,13 @@ def register(subparsers) -> None:
     p.add_argument("--run-dir", default=None, help="log the results into this run's metrics.jsonl / W&B")
     p.add_argument("--no-prompt-lookup", action="store_true",
                    help="skip the prompt-lookup (n-gram) baseline that runs beside the draft by default")
+    p.add_argument("--tree", nargs="+", default=None, metavar="DxKxN[+lookup]",
+                   help="also draft trees with the head, one method per shape DEPTHxTOPKxNODES (e.g. 4x2x8; "
+                        "+lookup: a hybrid tree with the prompt-lookup branch), beside the chain at each k")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor parallelism (sets target.tensor_parallel): run under `torchrun --nproc_per_node=N`; "
+                        "the target is split over the N ranks, every rank runs the same decoding loop with its own "
+                        "copy of the draft, rank 0 writes the report")
     p.set_defaults(func=run_eval_command)
 
 
@@ -39,6 +46,13 @@ def run_eval_command(args: argparse.Namespace) -> int:
     from mtp_train.errors import UserError
     from mtp_train.recipe import MAX_EVAL_BATCH, recipe_from_args
 
+    if args.tree:
+        from mtp_train.runtime.spec.tree import parse_tree_method
+
+        for spec in args.tree:
+            parse_tree_method(spec)  # a bad shape is refused before the recipe and the models load
+    if args.tp is not None:
+        args.overrides = [*args.overrides, f"target.tensor_parallel={args.tp}"]
     recipe = recipe_from_args(args)
     run_dir = recipe.run_dir
     head_dir = args.head or (None if args.draft else str(run_dir / "head"))
@@ -57,8 +71,10 @@ def run_eval_command(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens or recipe.eval.max_new_tokens,
         out_dir=Path(args.out) if args.out else run_dir / "eval",
         log_run_dir=Path(args.run_dir) if args.run_dir else (run_dir if head_dir == str(run_dir / "head") else None),
-        prompt_lookup=not args.no_prompt_lookup, batch_sizes=tuple(batch_sizes),
+        prompt_lookup=not args.no_prompt_lookup, batch_sizes=tuple(batch_sizes), trees=tuple(args.tree or ()),
     )
+    if not report.get("written", True):
+        return 0  # a follower rank of a tensor-parallel eval: rank 0 reports
     best = report.get("best", {})
     print(f"eval: plain {report['overall']['plain']['tokens_per_s']:.1f} tok/s; best {best.get('method')}: "
           f"τ {best.get('tau', 0):.3f}, speedup {best.get('speedup', 0):.2f}×; report in {report['out_dir']}")
@@ -67,24 +83,61 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
 def run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_tokens, out_dir: Path,
                    log_run_dir: Path | None = None, show_progress: bool = True, prompt_lookup: bool = True,
-                   batch_sizes: tuple[int, ...] = (1,)) -> dict:
+                   batch_sizes: tuple[int, ...] = (1,), trees: tuple[str, ...] = ()) -> dict:
     """Load the target (in the precision `auto` resolves to) and the draft: the head at `head_dir` (a trainer's head/
-    or any export format) or the model at `draft_dir`; then `evaluate`."""
+    or any export format) or the model at `draft_dir`; then `evaluate`.
+
+    With `target.tensor_parallel` N (under `torchrun --nproc_per_node=N`) the target is split over the N ranks and the
+    draft replicated: every rank runs the same decoding loop on the same inputs (the leader's precision, so the same
+    decode path), so each target forward's all-reduces line up and every rank commits the same tokens, with no
+    broadcast of proposals or accepted tokens. A head is one decoder layer (a few % of the target): replicating it
+    costs little and keeps the speculative engine unchanged. Only rank 0 writes the report and logs the run; the other
+    ranks' reports go to a temporary directory and their return value says `written: False`."""
+    import tempfile
+
+    from mtp_train.errors import UserError
     from mtp_train.evaluate.evaluation import evaluate
     from mtp_train.export.load import load_draft
-    from mtp_train.runtime.loader import load_model, load_tokenizer, resolve_device
+    from mtp_train.runtime.loader import load_tokenizer, resolve_device
     from mtp_train.runtime.precision import resolve_precision
+    from mtp_train.runtime.tensor_parallel import (
+        ParallelLayout,
+        describe,
+        init_tensor_parallel,
+        load_model_tensor_parallel,
+    )
 
+    layout = ParallelLayout.from_environ(recipe.target.tensor_parallel)
+    if layout.dp_size > 1:
+        raise UserError(f"target.tensor_parallel (--tp): eval runs one copy of the target; launch torchrun with as "
+                        f"many processes as --tp ({layout.tensor_parallel}), not {layout.world_size}")
+    group = init_tensor_parallel(layout)
     device = resolve_device(recipe.target.device)
-    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device)
-    print(f"eval: {precision.describe()}", flush=True)
-    target = load_model(recipe.target.path, device=device, precision=precision)
+    if device.type == "cuda" and layout.tensor_parallel > 1:
+        import os
+
+        import torch
+
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device) if layout.is_leader else None
+    precision = group.broadcast_object(precision)  # one decode path on every rank: the same logits, the same tokens
+    if layout.is_leader:
+        print(f"eval: {precision.describe()}", flush=True)
+    target = load_model_tensor_parallel(recipe.target.path, group, device=device, precision=precision)
+    if layout.is_leader and layout.tensor_parallel > 1:
+        print(f"eval: {describe(layout, target.config)}", flush=True)
     tokenizer = load_tokenizer(recipe.target.path)
     draft = load_draft(target, tokenizer, precision, head=head_dir, draft_model=draft_dir)
     if head_dir:
         method, kind, draft_path = draft.kind, f"head ({draft.kind})", head_dir
     else:
         method, kind, draft_path = "draft", "draft model (target–draft)", draft_dir
-    return evaluate(recipe, target, tokenizer, precision, draft, method, kind, draft_path, prompts_path, limit, ks,
-                    max_new_tokens, out_dir, log_run_dir, show_progress, prompt_lookup,
-                    cost_curve=recipe.eval.cost_curve, batch_sizes=batch_sizes)
+    if layout.is_leader:
+        return evaluate(recipe, target, tokenizer, precision, draft, method, kind, draft_path, prompts_path, limit, ks,
+                        max_new_tokens, out_dir, log_run_dir, show_progress, prompt_lookup,
+                        cost_curve=recipe.eval.cost_curve, batch_sizes=batch_sizes, trees=trees)
+    with tempfile.TemporaryDirectory(prefix="mtp-eval-follower-") as scratch:
+        report = evaluate(recipe, target, tokenizer, precision, draft, method, kind, draft_path, prompts_path, limit,
+                          ks, max_new_tokens, Path(scratch), None, False, prompt_lookup,
+                          cost_curve=recipe.eval.cost_curve, batch_sizes=batch_sizes, trees=trees)
+    return {**report, "written": False}

@@ -13,13 +13,17 @@ from pathlib import Path
 def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, draft_kind: str, draft_path: str,
              prompts_path, limit, ks, max_new_tokens, out_dir: Path, log_run_dir: Path | None = None,
              show_progress: bool = True, prompt_lookup: bool = True, cost_curve: bool = True,
-             batch_sizes: tuple[int, ...] = (1,)) -> dict:
+             batch_sizes: tuple[int, ...] = (1,), trees: tuple[str, ...] = ()) -> dict:
     """Plain decoding, `draft` (reported as `draft_method`@k) and, if `prompt_lookup`, the n-gram baseline, at each
     k and each of `batch_sizes`: the first batch size gives the report's main tables ("overall", per category),
     every one its entry in "by_batch_size" and a point of the speedup-against-batch-size plot. `target` is loaded
     with `precision`; the draft computes like it. With `cost_curve`, each draft's step costs are measured after the
     runs on the first prompt at batch 1 (`runtime.spec.costs.measure_cost_curves`, a few seconds) and the report
-    gives the speedup they predict beside the measured one."""
+    gives the speedup they predict beside the measured one.
+
+    `trees`: tree drafting with the head beside its chain, one method per 'DEPTHxTOPKxNODES' (a hybrid tree with the
+    prompt-lookup branch: 'DEPTHxTOPKxNODES+lookup'), reported as "<draft_method>@tree=..."; with `cost_curve` each
+    tree's verify forward (tree mask) is timed beside a causal verify of the same size."""
     from mtp_train.evaluate.prompts import load_heldout, load_mt_bench
     from mtp_train.evaluate.report import batch_summary, build_report, write_markdown, write_plots
     from mtp_train.evaluate.runner import first_turn_ids, run_methods
@@ -36,17 +40,24 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
         prompt_set = load_heldout(recipe.prepared_dir, limit)
     sampling = SamplingParams(temperature=recipe.eval.temperature)
     drafts = {draft_method: draft, **({"lookup": PromptLookup()} if prompt_lookup else {})}
+    tree_drafts = _tree_drafts(draft, draft_method, trees)
     stops = stop_token_ids(tokenizer, target.config)
     totals_by_batch = {
         batch_size: run_methods(target, tokenizer, prompt_set.prompts, drafts, ks, max_new_tokens, sampling, stops,
-                                show_progress=show_progress, batch_size=batch_size)
+                                show_progress=show_progress, batch_size=batch_size, trees=tree_drafts)
         for batch_size in batch_sizes
     }
     totals = totals_by_batch[batch_sizes[0]]
-    curves = None
+    curves, tree_costs = None, None
     if cost_curve:  # the same loaded target and drafts, so the same decode path the runs took
         started = time.perf_counter()
         curves = measure_cost_curves(target, drafts, first_turn_ids(tokenizer, prompt_set.prompts[0]), ks)
+        if tree_drafts:
+            from mtp_train.runtime.spec.costs import measure_tree_costs
+
+            shapes = list({tree.shape.label: tree.shape for tree in tree_drafts.values()}.values())
+            tree_costs = measure_tree_costs(target, first_turn_ids(tokenizer, prompt_set.prompts[0]), shapes,
+                                            curves[draft_method].decode_s)
         if show_progress:
             print(f"eval: cost curves of {', '.join(curves)} measured in {time.perf_counter() - started:.1f} s",
                   flush=True)
@@ -59,9 +70,9 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
                      "cpu_capability": machine_name(target.device), "batch_size": batch_sizes[0],
                      "batch_sizes": list(batch_sizes),
                      "max_new_tokens": max_new_tokens, "temperature": recipe.eval.temperature,
-                     "num_speculative_tokens": ks},
+                     "num_speculative_tokens": ks, "trees": list(tree_drafts)},
     }
-    report = build_report(totals, meta, curves)
+    report = build_report(totals, meta, curves, tree_costs)
     report["by_batch_size"] = {
         str(batch_size): batch_summary(by_method, len(prompt_set.prompts), batch_size)
         for batch_size, by_method in totals_by_batch.items()
@@ -74,6 +85,23 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
     if log_run_dir is not None and log_run_dir.is_dir():
         _log_to_run(recipe, log_run_dir, report, plots)
     return report
+
+
+def _tree_drafts(draft, draft_method: str, trees: tuple[str, ...]) -> dict[str, object]:
+    """{method name: DraftTree} for the tree specs (a head only: trees are drafted by a head's top-k)."""
+    from mtp_train.errors import UserError
+    from mtp_train.runtime.model import CausalLM
+    from mtp_train.runtime.spec import DraftTree, PromptLookup
+    from mtp_train.runtime.spec.tree import parse_tree_method
+
+    if trees and isinstance(draft, CausalLM):
+        raise UserError("--tree drafts with a head (--head); a draft model (--draft) drafts chains only")
+    out = {}
+    for spec in trees:
+        shape, hybrid = parse_tree_method(spec)
+        tree = DraftTree(draft, shape, PromptLookup() if hybrid else None)
+        out[f"{draft_method}@{tree.label}"] = tree
+    return out
 
 
 def _log_to_run(recipe, run_dir: Path, report: dict, plots: list[Path]) -> None:

@@ -7,15 +7,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # runner imports the runtime (torch); `compare` imports this module for its plot helpers
     from mtp_train.evaluate.runner import MethodTotals
-    from mtp_train.runtime.spec.costs import CostCurve
+    from mtp_train.runtime.spec.costs import CostCurve, TreeCost
 
 
 def build_report(totals: dict[str, dict[str, MethodTotals]], meta: dict[str, Any],
-                 cost_curves: dict[str, CostCurve] | None = None) -> dict[str, Any]:
+                 cost_curves: dict[str, CostCurve] | None = None,
+                 tree_costs: dict[str, TreeCost] | None = None) -> dict[str, Any]:
     """The report: `meta`, each method's numbers overall and per category, the draft's best method; with
     `cost_curves` ({draft name: its measured step costs}), each curve (`cost_curve`), the speedup it predicts for
     each "<name>@k=<k>" from the τ measured there (`predicted_speedup`), and per draft the best k by the prediction
-    and by the measurement (`best_k`)."""
+    and by the measurement (`best_k`). Tree methods ("<name>@tree=DxKxN[+lookup]") get a `trees` section against
+    the draft's chain (`_add_trees`), with `tree_costs` ({shape label: TreeCost}) their verify cost and prediction."""
     plain = totals["plain"]
     categories = sorted(c for c in plain if c != "all")
     report: dict[str, Any] = {**meta, "overall": {}, "per_category": {}}
@@ -29,6 +31,8 @@ def build_report(totals: dict[str, dict[str, MethodTotals]], meta: dict[str, Any
     if cost_curves:
         _add_predictions(report, cost_curves)
     draft_name = meta.get("draft_method")
+    if any("@tree=" in method for method in report["overall"]):
+        _add_trees(report, draft_name, tree_costs or {}, cost_curves or {})
     speculative = {m: r for m, r in report["overall"].items() if m != "plain" and
                    (draft_name is None or m.startswith(f"{draft_name}@"))}
     if speculative:
@@ -63,6 +67,79 @@ def _add_predictions(report: dict[str, Any], cost_curves: dict[str, CostCurve]) 
             "predicted": curve.best_k({k: r["tau"] for k, r in by_k.items()}),
             "measured": max(sorted(by_k), key=lambda k: by_k[k].get("speedup", 0.0)),
         }
+
+
+def _add_trees(report: dict[str, Any], draft_name: str | None, tree_costs: dict[str, TreeCost],
+               cost_curves: dict[str, CostCurve]) -> None:
+    """Into `report`: `trees` ({tree method: shape, τ, mean acceptance length, tokens/s, speedup, τ over the best
+    chain τ of the same draft, and with its cost the verify cost per decode step, the mask's cost and the predicted
+    speedup}) and `best_tree` (by measured speedup) with the settings engines take for it: SGLang's
+    --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens (the root counted) and vLLM's
+    static `speculative_token_tree` (paths of child ranks) of its representative tree."""
+    from mtp_train.runtime.spec.tree import parse_tree_method, representative_tree
+
+    chains = {m: r for m, r in report["overall"].items() if draft_name and m.startswith(f"{draft_name}@k=")}
+    best_chain_tau = max((r["tau"] for r in chains.values()), default=0.0)
+    curve = cost_curves.get(draft_name) if draft_name else None
+    trees = {}
+    for method, r in report["overall"].items():
+        if "@tree=" not in method:
+            continue
+        shape, hybrid = parse_tree_method(method.split("@tree=", 1)[1])
+        entry = {"depth": shape.depth, "topk": shape.topk, "nodes": shape.nodes, "hybrid": hybrid,
+                 **{key: r[key] for key in ("tau", "mean_acceptance_length", "tokens_per_s", "speedup") if key in r}}
+        if best_chain_tau:
+            entry["tau_over_best_chain"] = round(r["tau"] / best_chain_tau, 4)
+        cost = tree_costs.get(shape.label)
+        if cost is not None:
+            entry.update(cost.as_dict())
+            if curve is not None:
+                r["predicted_speedup"] = entry["predicted_speedup"] = round(
+                    cost.predicted_speedup(r["tau"], shape.depth, curve.draft_step_over_decode), 4)
+        trees[method] = entry
+    report["trees"] = trees
+    if best_chain_tau:
+        report["best_chain_tau"] = best_chain_tau
+    best = max(trees, key=lambda m: trees[m].get("speedup", 0.0))
+    shape, hybrid = parse_tree_method(best.split("@tree=", 1)[1])
+    parents, _ = representative_tree(shape)
+    paths: list[tuple[int, ...]] = []
+    rank_among_siblings: dict[int, int] = {}
+    for node, parent in enumerate(parents, start=1):
+        rank = rank_among_siblings.get(parent, 0)
+        rank_among_siblings[parent] = rank + 1
+        paths.append((paths[parent - 1] if parent else ()) + (rank,))
+    report["best_tree"] = {
+        "method": best, **trees[best],
+        "sglang_args": f"--speculative-num-steps {shape.depth} --speculative-eagle-topk {shape.topk} "
+                       f"--speculative-num-draft-tokens {shape.nodes + 1}",
+        "vllm_speculative_token_tree": str(paths),
+    }
+
+
+def _tree_lines(report: dict[str, Any]) -> list[str]:
+    """The "Trees" section: each tree beside the draft's best chain."""
+    lines = ["", "## Trees", "",
+             (f"Tree drafting (depth × topk × nodes; +lookup: the prompt-lookup branch beside the head's). τ over "
+              f"the best chain τ of the same head ({report.get('best_chain_tau', 0):.3f}); verify/decode: one target "
+              "forward over the N + 1 tree tokens with the tree mask ÷ one decode step, beside a causal verify of "
+              "the same size (mask cost = their ratio); predicted: τ / (verify/decode + depth · draft step/decode)."),
+             ""]
+    lines.append(_row(["method", "τ", "τ / best chain τ", "mean acceptance length", "verify/decode",
+                       "causal verify/decode", "mask cost", "tokens/s", "speedup", "predicted"]))
+    lines.append(_row(["---"] * 10))
+    for method, t in report["trees"].items():
+        lines.append(_row([method, f"{t['tau']:.3f}", _optional(t, "tau_over_best_chain", "{:.2f}×"),
+                           _optional(t, "mean_acceptance_length", "{:.3f}"),
+                           _optional(t, "verify_over_decode", "{:.2f}"),
+                           _optional(t, "causal_verify_over_decode", "{:.2f}"), _optional(t, "mask_cost", "{:.2f}×"),
+                           _optional(t, "tokens_per_s", "{:.1f}"), _optional(t, "speedup", "{:.2f}×"),
+                           _optional(t, "predicted_speedup", "{:.2f}×")]))
+    best = report.get("best_tree")
+    if best:
+        lines += ["", f"Best tree by measured speedup: {best['method']}. SGLang: `{best['sglang_args']}`; vLLM "
+                  f"(static tree): `speculative_token_tree: {best['vllm_speculative_token_tree']}`."]
+    return lines
 
 
 def _row(cells: list[Any]) -> str:
@@ -158,6 +235,8 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
             f"{r['speedup_median']:.2f}× [{r['speedup_p25']:.2f}, {r['speedup_p75']:.2f}]" if "speedup_median" in r
             else "", _match_cell(r),
         ]))
+    if report.get("trees"):
+        lines += _tree_lines(report)
     if report.get("cost_curve"):
         lines += _cost_curve_lines(report)
     if len(report.get("by_batch_size", {})) > 1:

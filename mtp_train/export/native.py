@@ -85,6 +85,15 @@ class NativeFormat(ExportFormat):
             config["draft_vocab_size"] = head_config.draft_vocab_size
         return config
 
+    def _block_refusal(self, config):
+        if config.deepseek is not None:  # runtime/deepseek.py: an MLA/MoE block, not the `layer` shape recorded here
+            return (
+                f"format native's config.json describes a Llama-family decoder layer (`layer`); the {config.model_type} "
+                "target's MLA/MoE block is not one. The run's head/ directory is this head's native form (eval --head, "
+                "generate --head and heads.load_head read it); engines and load_any_head read --format deepseek-mtp"
+            )
+        return super()._block_refusal(config)
+
     def adjust_expected(self, config, expected):
         if config["head_kind"] == "eagle1" and not config["fc_bias"]:  # trained with head.fc_bias: false
             expected.pop("fc.bias", None)

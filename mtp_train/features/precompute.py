@@ -4,6 +4,9 @@ Runs alone or under `torchrun --nproc_per_node=N -m mtp_train precompute ...` (m
 pure function of the prepared data, the world size and the recipe: samples are sorted by length and dealt
 round-robin to ranks (balanced, disjoint), each rank cuts its list into shards of `samples_per_shard`, and packs
 each shard into batches of at most `tokens_per_batch` tokens run as one ragged prefill (no padding, no logits).
+With `target.tensor_parallel` N (`--tp N`) the "ranks" of that plan are the W / N data-parallel groups of N
+consecutive ranks (runtime/tensor_parallel.py): the N ranks of a group run one target split over them on the same
+batches, and the group's leader writes the group's shards and progress file (named by the group's index).
 A shard is recorded in the rank's progress file only after its file is completely written (atomic rename), so a
 rerun after a kill skips finished shards and recomputes the rest identically.
 """
@@ -182,17 +185,37 @@ class _GlobalProgress:
         self.bar.close()
 
 
+class _NoProgress:
+    """A follower rank of a tensor-parallel group: its leader counts the group's tokens."""
+
+    def advance(self, tokens: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> Path:
     """Compute (or finish) the feature cache of `recipe`; returns its directory. Collective under torchrun."""
     from mtp_train.data.prepared import load_prepared
     from mtp_train.fingerprint import target_fingerprint
     from mtp_train.recipe import save_resolved, with_precision
     from mtp_train.runtime.attention import BatchInfo
-    from mtp_train.runtime.loader import load_model, resolve_device
+    from mtp_train.runtime.loader import resolve_device
     from mtp_train.runtime.precision import resolve_precision
+    from mtp_train.runtime.tensor_parallel import (
+        ParallelLayout,
+        describe,
+        init_tensor_parallel,
+        load_model_tensor_parallel,
+    )
 
     env = env or DistEnv.from_environ()
+    layout = ParallelLayout(env.rank, env.world_size, recipe.target.tensor_parallel)
     dist = _init_distributed(env)
+    group = init_tensor_parallel(layout)
+    # Shards, progress files and heartbeats belong to data-parallel groups: `writer` numbers them (== env without TP).
+    writer = DistEnv(layout.dp_rank, layout.dp_size, env.local_rank)
     pre = recipe.precompute
     root = recipe.features_dir
     prepared_dir = recipe.prepared_dir
@@ -211,12 +234,16 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     recipe = with_precision(recipe, precision.dtype, precision.decode_dtype)
     if env.rank == 0:
         print(f"precompute: {precision.describe('prefill')}", flush=True)
-    model = load_model(recipe.target.path, dtype=precision.dtype, device=device)
+    model = load_model_tensor_parallel(recipe.target.path, group, dtype=precision.dtype, device=device)
+    if env.rank == 0 and layout.tensor_parallel > 1:
+        print(f"precompute: {describe(layout, model.config)}", flush=True)
     num_layers = model.config.num_hidden_layers
     bad_layers = [j for j in pre.aux_layers if j >= num_layers]
     if bad_layers:
         raise UserError(f"precompute.aux_layers: {bad_layers} out of range; the target has {num_layers} layers (0-based)")
-    header = _header(recipe, prepared, target_fingerprint(recipe.target.path), env.world_size, model.config.hidden_size)
+    header = _header(recipe, prepared, target_fingerprint(recipe.target.path), writer.world_size,
+                     model.config.hidden_size)
+    header["tensor_parallel"] = layout.tensor_parallel  # informational: TP changes the rounding, not the layout
 
     if (root / MANIFEST_FILENAME).is_file():
         manifest = load_manifest(root)
@@ -227,15 +254,26 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
         return root
 
     root.mkdir(parents=True, exist_ok=True)
-    for stale in [*root.glob(f"*/.shard-r{env.rank}-*.tmp-*"), *root.glob(f".progress-r{env.rank}.json.tmp-*")]:
-        stale.unlink(missing_ok=True)  # a write interrupted by a kill
-    my_progress = progress_path(root, env.rank)
+    my_progress = progress_path(root, writer.rank)
     done: dict[str, dict[str, Any]] = {}
-    if my_progress.is_file():
-        existing = read_json_object(my_progress)
-        _compare_headers(existing["header"], header, my_progress)
-        # Keep only shards whose file is intact; a damaged one is recomputed.
-        done = {name: rec for name, rec in existing["shards"].items() if shard_sha256_ok(root, rec)}
+    refused = None  # the leader's reason to stop, passed to its group so that no rank waits for it
+    if layout.is_leader:
+        for stale in [*root.glob(f"*/.shard-r{writer.rank}-*.tmp-*"),
+                      *root.glob(f".progress-r{writer.rank}.json.tmp-*")]:
+            stale.unlink(missing_ok=True)  # a write interrupted by a kill
+        if my_progress.is_file():
+            try:
+                existing = read_json_object(my_progress)
+                _compare_headers(existing["header"], header, my_progress)
+            except UserError as err:
+                refused = str(err)
+            else:
+                # Keep only shards whose file is intact; a damaged one is recomputed.
+                done = {name: rec for name, rec in existing["shards"].items() if shard_sha256_ok(root, rec)}
+    # The group's ranks run the same forwards: the leader's view of what is left.
+    done, refused = group.broadcast_object((done, refused))
+    if refused:
+        raise UserError(refused)
     if env.rank == 0:
         save_resolved(recipe, root)
 
@@ -244,8 +282,9 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     split_lengths = {split: _split_lengths(ds) for split, ds in splits.items()}
     for split, lengths in split_lengths.items():
         total_tokens += sum(lengths)  # all ranks: rank 0's bar shows the global view
-        for index, shard in enumerate(plan_rank_shards(lengths, env.rank, env.world_size, pre.samples_per_shard)):
-            name = shard_name(split, env.rank, index)
+        for index, shard in enumerate(plan_rank_shards(lengths, writer.rank, writer.world_size,
+                                                       pre.samples_per_shard)):
+            name = shard_name(split, writer.rank, index)
             if name in done:
                 done_tokens += done[name]["num_tokens"]
             else:
@@ -256,7 +295,7 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
         from mtp_train.runtime.hardware import measure_matmul_gflops
 
         peak_gflops = measure_matmul_gflops(model.dtype)
-    progress = _GlobalProgress(root, env, total_tokens, done_tokens)
+    progress = _GlobalProgress(root, writer, total_tokens, done_tokens) if layout.is_leader else _NoProgress()
     aux_layers = tuple(pre.aux_layers)
     started = time.perf_counter()
     computed_tokens = 0
@@ -277,6 +316,8 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
                     return_hidden=True,
                     aux_layers=aux_layers,
                 )
+                if not layout.is_leader:  # a follower of a tensor-parallel group: its part of the forward is done
+                    continue
                 hidden_rows = out.hidden.cpu().split(batch_lengths)
                 argmax_rows = (
                     _target_argmax(model, out.hidden, pre.storage_dtype).cpu().split(batch_lengths)
@@ -298,9 +339,11 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
                 progress.advance(sum(batch_lengths))
                 computed_tokens += sum(batch_lengths)
                 computed_flops += model.prefill_flops(batch_lengths, sum(batch_lengths) if pre.target_argmax else 0)
-            name = shard_name(split, env.rank, index)
+            if not layout.is_leader:
+                continue
+            name = shard_name(split, writer.rank, index)
             record = write_shard(root / name, samples, pre.storage_dtype)
-            done[name] = {"name": name, "split": split, "rank": env.rank, "index": index, **record}
+            done[name] = {"name": name, "split": split, "rank": writer.rank, "index": index, **record}
             write_json_atomic(my_progress, {"header": header, "shards": done})
     finally:
         progress.close()

@@ -12,7 +12,9 @@ from mtp_train.runtime.config import ModelConfig
 
 HEAD_KINDS = ("mtp", "eagle1", "eagle3")
 EAGLE3_NUM_AUX_LAYERS = 3  # EAGLE-3 fuses the target's low, middle and high layer outputs
-HEAD_INITS = ("random", "last_layer")
+HEAD_INITS = ("random", "last_layer", "from_checkpoint")
+BLOCK_MLPS = ("dense", "moe")  # a DeepSeek target's MTP block: a dense MLP or the target's Mixture of Experts
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # runtime.config's (not imported: this module stays torch-free)
 
 
 def default_eagle3_aux_layers(num_hidden_layers: int) -> tuple[int, int, int]:
@@ -47,6 +49,9 @@ class HeadConfig:
     # eagle1 only: whether `fc` has a bias. vLLM's EAGLE-1 class builds fc without one (and drops a stored bias), so
     # a head meant for vLLM (`export --format eagle`) is trained with fc_bias=False; an mtp head's eh_proj never has one.
     fc_bias: bool = True
+    # mtp on a DeepSeek target only: the decoder block's MLP. "dense" (intermediate_size, the smaller head) or "moe"
+    # (the target's routed + shared experts, as DeepSeek-V3 ships its MTP module; needed by init from_checkpoint).
+    block_mlp: str = "dense"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layers", tuple(int(j) for j in self.aux_layers))
@@ -65,6 +70,7 @@ class HeadConfig:
             raise UserError(
                 "head fc_bias=false (recipe head.fc_bias) applies to eagle1 heads; an mtp head's eh_proj has no bias"
             )
+        self._check_deepseek()
         if self.kind == "eagle3":
             self._check_eagle3()
         elif self.aux_layers:
@@ -72,6 +78,27 @@ class HeadConfig:
                 f"head aux_layers {list(self.aux_layers)} are the inputs of an eagle3 head; a {self.kind} head reads "
                 "the target's final hidden state only (expected [])"
             )
+
+    def _check_deepseek(self) -> None:
+        """DeepSeek targets get the DeepSeek-V3 MTP module (an MLA block); block_mlp and from_checkpoint are theirs."""
+        deepseek = self.model_type in DEEPSEEK_MODEL_TYPES
+        if self.block_mlp not in BLOCK_MLPS:
+            raise UserError(
+                f"head block_mlp {self.block_mlp!r} is not supported; expected one of {', '.join(BLOCK_MLPS)}")
+        if not deepseek:
+            if self.block_mlp != "dense":
+                raise UserError(f"head block_mlp {self.block_mlp!r} applies to DeepSeek targets (MoE blocks); a "
+                                f"{self.model_type} head's block is the target's dense decoder layer (expected dense)")
+            if self.init == "from_checkpoint":
+                raise UserError(f"head init from_checkpoint loads the MTP module a DeepSeek-V3 checkpoint ships; a "
+                                f"{self.model_type} target has none (use random or last_layer)")
+            return
+        if self.kind != "mtp":
+            raise UserError(f"head kind {self.kind!r} is not available for a DeepSeek target ({self.model_type}); "
+                            "use kind mtp (the DeepSeek-V3 MTP module with an MLA block)")
+        if self.init == "from_checkpoint" and (self.num_layers != 1 or self.block_mlp != "moe"):
+            raise UserError("head init from_checkpoint loads DeepSeek's MTP module: one MoE block (set head.num_layers "
+                            f"1 and head.block_mlp moe; got num_layers {self.num_layers}, block_mlp {self.block_mlp})")
 
     def _check_eagle3(self) -> None:
         """What an EAGLE-3 head (vLLM's Eagle3LlamaForCausalLM layout) must be: 3 aux layers, one midlayer, random
@@ -97,6 +124,17 @@ class HeadConfig:
         layers of this target."""
         head_config = HeadConfig(hidden_size=config.hidden_size, vocab_size=config.vocab_size,
                                  model_type=config.model_type, target_fingerprint=target_fingerprint, **options)
+        deepseek = getattr(config, "deepseek", None)
+        if deepseek is not None and head_config.init == "last_layer":
+            target_moe = config.num_hidden_layers > deepseek.first_k_dense_replace
+            if target_moe != (head_config.block_mlp == "moe"):
+                raise UserError(
+                    f"head init last_layer copies the target's last decoder layer, which is "
+                    f"{'an MoE' if target_moe else 'a dense'} block; set head.block_mlp "
+                    f"{'moe' if target_moe else 'dense'} (or init random)")
+        if deepseek is not None and head_config.init == "from_checkpoint" and deepseek.num_nextn_predict_layers < 1:
+            raise UserError("head init from_checkpoint: the target's config.json declares no MTP module "
+                            "(num_nextn_predict_layers is 0 or absent)")
         outside = [j for j in head_config.aux_layers if j >= config.num_hidden_layers]
         if outside:
             raise UserError(
@@ -143,5 +181,5 @@ class HeadConfig:
 
 # The defaults of the options a recipe's `head` section sets (recipe.HeadSection reads them from here).
 HEAD_DEFAULTS: dict[str, Any] = {
-    f.name: f.default for f in fields(HeadConfig) if f.name in ("kind", "num_layers", "init", "fc_bias")
+    f.name: f.default for f in fields(HeadConfig) if f.name in ("kind", "num_layers", "init", "fc_bias", "block_mlp")
 }

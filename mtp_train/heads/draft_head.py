@@ -7,7 +7,10 @@
 The head reads the target's frozen `embed_tokens` and `lm_head` by reference: they are neither parameters nor
 state-dict entries of the head, `.to()` on the head leaves them alone, and they are read through `.detach()` so no
 gradient reaches them. Decoder layers are the runtime's `DecoderLayer` and run through the runtime's attention
-backend, so training (packed sequences, no cache) and speculative drafting (paged KV cache) share one code path.
+backend, so training (packed sequences, no cache) and speculative drafting (paged KV cache) share one code path. On a
+DeepSeek-V2/V3 target the mtp head is DeepSeek-V3's MTP module: its block is the target's `DeepseekDecoderLayer` (MLA
+over a latent cache; `head_config.block_mlp` dense or MoE), and `init: from_checkpoint` loads the module the
+checkpoint ships at `model.layers.{num_hidden_layers}` (runtime/deepseek.py).
 With a reduced draft vocabulary (`head_config.draft_vocab_size` = N) the head holds two buffers, `d2t` [N] int64
 and `t2d` [V] bool (`heads.vocab`), and its output projection is the lm_head's rows `draft_ids` (taken from the
 target, never stored in the head file): `logits()` returns [n, N] logits over draft ids.
@@ -27,6 +30,7 @@ from mtp_train.heads.config import HeadConfig
 from mtp_train.heads.vocab import check_draft_ids, d2t_from_ids, ids_from_d2t, t2d_from_ids
 from mtp_train.runtime.attention import AttentionBackend, BatchInfo, TorchAttention
 from mtp_train.runtime.config import ModelConfig
+from mtp_train.runtime.frozen_parts import FrozenParts, frozen_parts_of
 from mtp_train.runtime.kv_cache import KVCache, PageAllocator
 from mtp_train.runtime.model import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
 
@@ -66,9 +70,15 @@ class DraftHead(nn.Module):
             self.eh_proj = nn.Linear(2 * d, d, bias=False)
         else:
             self.fc = nn.Linear(2 * d, d, bias=head_config.fc_bias)  # no bias: vLLM's EAGLE-1 fc
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, use_input_norm=self.is_mtp or j > 0) for j in range(head_config.num_layers)
-        )
+        if config.deepseek is not None:  # the DeepSeek-V3 MTP module's block: MLA with a dense MLP or the MoE
+            from mtp_train.runtime.deepseek import DeepseekDecoderLayer
+
+            moe = head_config.block_mlp == "moe"
+            self.layers = nn.ModuleList(DeepseekDecoderLayer(config, moe) for _ in range(head_config.num_layers))
+        else:
+            self.layers = nn.ModuleList(
+                DecoderLayer(config, use_input_norm=self.is_mtp or j > 0) for j in range(head_config.num_layers)
+            )
         self.norm = RMSNorm(d, config.rms_norm_eps) if self.is_mtp else None
 
     def _init_shared(self, config: ModelConfig, head_config: HeadConfig, embed_tokens: nn.Embedding,
@@ -94,16 +104,21 @@ class DraftHead(nn.Module):
     # ---- construction -------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_target(cls, target: CausalLM, head_config: HeadConfig, dtype: torch.dtype | None = None) -> "DraftHead":
-        """A head over `target`, initialized per `head_config.init`, on the target's device in `dtype` (default: the
-        target's). Called on `DraftHead` or a subclass (heads/eagle3.py), it builds that class."""
-        head = cls(target.config, head_config, target.model.embed_tokens, target.lm_head, target.backend)
-        head.to(device=target.device, dtype=torch.float32)
+    def from_target(cls, target: CausalLM | FrozenParts, head_config: HeadConfig,
+                    dtype: torch.dtype | None = None) -> "DraftHead":
+        """A head over `target` (a loaded CausalLM, or only its frozen parts: `runtime.frozen_parts`), initialized per
+        `head_config.init`, on the target's device in `dtype` (default: the target's). Called on `DraftHead` or a
+        subclass (heads/eagle3.py), it builds that class."""
+        parts = frozen_parts_of(target)
+        head = cls(parts.config, head_config, parts.embed_tokens, parts.lm_head, parts.backend)
+        head.to(device=parts.device, dtype=torch.float32)
         if head_config.init == "last_layer":
-            head.init_from_target(target)
+            head.init_from_target(parts)
+        elif head_config.init == "from_checkpoint":
+            head.init_from_checkpoint(parts.source_dir)
         else:
             head.init_random()
-        return head.to(dtype=dtype or target.dtype)
+        return head.to(dtype=dtype or parts.dtype)
 
     @property
     def init_std(self) -> float:
@@ -121,7 +136,7 @@ class DraftHead(nn.Module):
                 module.weight.fill_(1.0)
 
     @torch.no_grad()
-    def init_from_target(self, target: CausalLM) -> None:
+    def init_from_target(self, target: CausalLM | FrozenParts) -> None:
         """Every head layer = a copy of the target's last decoder layer; `norm` = the target's final norm; enorm and
         hnorm = 1; the input projection = [small random | identity] (+ zero bias for eagle1).
 
@@ -130,16 +145,37 @@ class DraftHead(nn.Module):
         the gap between H_i and H_{i+1}, not from noise. The token half starts small (normal, std=initializer_range),
         so the head learns how much of embed(t_{i+1}) to use, and no weight is exactly zero, so every parameter
         (enorm included) gets a gradient from the first step."""
+        parts = frozen_parts_of(target)
+        if parts.last_layer is None or parts.final_norm is None:
+            raise ValueError("init last_layer needs the target's last decoder layer and final norm: load the frozen "
+                             "parts with last_layer=True")
         self.init_random()
-        last_layer = target.model.layers[-1].state_dict()
+        last_layer = parts.last_layer
         for j, layer in enumerate(self.layers):
             own = layer.state_dict()
             layer.load_state_dict({k: last_layer[k].to(v.dtype) for k, v in own.items()}, strict=True)
         if self.norm is not None:
-            self.norm.weight.copy_(target.model.norm.weight)
+            self.norm.weight.copy_(parts.final_norm)
         proj = self.eh_proj if self.is_mtp else self.fc
         d = self.config.hidden_size
         proj.weight[:, d:].copy_(torch.eye(d))  # [d, 2d]: columns d.. read the hidden state
+
+    @torch.no_grad()
+    def init_from_checkpoint(self, model_dir: str | None) -> None:
+        """Load the MTP module a DeepSeek-V3/R1 checkpoint ships (`model.layers.{num_hidden_layers}.*`,
+        `num_nextn_predict_layers: 1`): enorm, hnorm, eh_proj, the block, shared_head.norm -> norm. Its own copies of
+        embed_tokens and shared_head.head are not read (the head reads the target's frozen ones)."""
+        from mtp_train.runtime.deepseek import mtp_checkpoint_names
+        from mtp_train.runtime.frozen_parts import read_tensors
+
+        if model_dir is None:
+            raise ValueError("init from_checkpoint needs the target's checkpoint directory (source_dir)")
+        own = {k: v for k, v in self.state_dict().items() if k not in ("d2t", "t2d")}  # the draft vocab is ours
+        names = mtp_checkpoint_names(self.config, own)  # head name -> checkpoint name
+        shapes = {names[key]: tuple(own[key].shape) for key in names}
+        tensors = read_tensors(model_dir, shapes, torch.float32, self.device)
+        for key, value in own.items():
+            value.copy_(tensors[names[key]])
 
     @torch.no_grad()
     def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
@@ -155,8 +191,13 @@ class DraftHead(nn.Module):
         self.t2d.copy_(t2d_from_ids(draft_ids, self.config.vocab_size))
 
     def new_kv_cache(self, allocator: PageAllocator) -> KVCache:
-        """The head's own paged K/V storage over the target's allocator (one entry per head layer)."""
+        """The head's own paged K/V storage over the target's allocator (one entry per head layer); a latent cache
+        (runtime/deepseek.py) for a DeepSeek target's MLA block."""
         c = self.config
+        if c.deepseek is not None:
+            from mtp_train.runtime.deepseek import LatentCache
+
+            return LatentCache(allocator, len(self.layers), c.deepseek.latent_dim, self.dtype, self.device)
         return KVCache(allocator, len(self.layers), c.num_key_value_heads, c.head_dim, self.dtype, self.device)
 
     # ---- properties ---------------------------------------------------------------------------------------------
@@ -173,11 +214,11 @@ class DraftHead(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].self_attn.q_proj.weight.dtype
+        return self.layers[0].post_attention_layernorm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].self_attn.q_proj.weight.device
+        return self.layers[0].post_attention_layernorm.weight.device
 
     @property
     def embed_weight(self) -> torch.Tensor:

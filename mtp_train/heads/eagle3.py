@@ -26,6 +26,7 @@ from mtp_train.heads.config import HeadConfig
 from mtp_train.heads.draft_head import DraftHead
 from mtp_train.runtime.attention import AttentionBackend, BatchInfo
 from mtp_train.runtime.config import ModelConfig
+from mtp_train.runtime.frozen_parts import FrozenParts
 from mtp_train.runtime.kv_cache import KVCache
 from mtp_train.runtime.model import MLP, Attention, CausalLM, RMSNorm
 
@@ -85,7 +86,7 @@ class Eagle3Head(DraftHead):
         """Width of the target states `fc` reads: len(aux_layers) * d."""
         return self.fc.in_features
 
-    def init_from_target(self, target: CausalLM) -> None:
+    def init_from_target(self, target: CausalLM | FrozenParts) -> None:
         raise ValueError("an eagle3 head has no init from the target's layers (HeadConfig refuses init last_layer)")
 
     def readout(self, out: torch.Tensor) -> torch.Tensor:

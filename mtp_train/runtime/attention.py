@@ -7,7 +7,10 @@ wrappers take (`qo_indptr`, `kv_page_indptr`, `kv_page_indices`, `kv_last_page_l
 
 - prefill: each sequence brings its whole prompt (n_b tokens, nothing cached yet);
 - decode:  each sequence brings 1 token and attends to its cached prefix;
-- verify:  each sequence brings k tokens that attend to the cached prefix and causally to each other.
+- verify:  each sequence brings k tokens that attend to the cached prefix and causally to each other;
+- tree:    each sequence brings the nodes of a draft tree (`for_tree`): they attend to the cached prefix and, among
+           the newest cached entries (the tree region), only to their ancestors and themselves (`tree_masks`); their
+           rotary positions follow their depth, not their slot.
 
 Without a cache (`kv_cache=None`, e.g. feature precompute) every sequence attends only to its own new tokens.
 """
@@ -33,6 +36,9 @@ class BatchInfo:
     kv_page_indices: torch.Tensor | None = None  # [total pages] int32
     kv_last_page_len: torch.Tensor | None = None  # [batch] int32
     slot_mapping: torch.Tensor | None = None  # [num_tokens] int64: flat cache slot each new K/V is written to
+    # Tree batches only: per sequence [q_len_b, W_b] bool over its last W_b keys (the tree region, new tokens last):
+    # True = attend. Keys before the region are the causal prefix every new token sees.
+    tree_masks: list[torch.Tensor] | None = None
     _plans: dict = field(default_factory=dict, repr=False)  # per-backend precomputation, shared by all layers
 
     @property
@@ -106,6 +112,42 @@ class BatchInfo:
         )
 
 
+    @staticmethod
+    def for_tree(
+        sequences: list[Sequence],
+        positions: list[list[int]],
+        tree_masks: list[torch.Tensor],
+        allocator: PageAllocator,
+        device: torch.device | str = "cpu",
+    ) -> "BatchInfo":
+        """Append the nodes of a draft tree to each sequence (slots num_cached.., counted as cached): sequence b
+        brings len(positions[b]) tokens whose rotary positions are `positions[b]` (prefix length + depth) and whose
+        attention over the sequence's last W_b keys (earlier tree nodes, then these) is `tree_masks[b]` [n_b, W_b]
+        bool; every key before those W_b is visible. Rewind (and compact) afterwards to keep only the accepted path."""
+        counts = [len(p) for p in positions]
+        for b, (seq, mask) in enumerate(zip(sequences, tree_masks, strict=True)):
+            width = int(mask.shape[1])
+            if mask.shape[0] != counts[b] or not counts[b] <= width <= seq.num_cached + counts[b]:
+                raise ValueError(f"sequence {b}: tree mask of shape {tuple(mask.shape)} for {counts[b]} new tokens "
+                                 f"after {seq.num_cached} cached")
+        batch = BatchInfo.for_sequences(sequences, counts, allocator, device)
+        batch.positions = torch.tensor([p for ps in positions for p in ps], dtype=torch.long, device=device)
+        batch.tree_masks = [mask.to(device=device, dtype=torch.bool) for mask in tree_masks]
+        return batch
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: row i is True at i and at each of its ancestors (`parents[i]` < i, -1 for a root)."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            if parent >= i:
+                raise ValueError(f"tree node {i} has parent {parent}: parents must come before their children")
+            mask[i] |= mask[parent]
+    return mask
+
+
 class AttentionBackend:
     """Computes attention for one layer. `q: [num_tokens, heads, head_dim]`, `k, v: [num_tokens, kv_heads,
     head_dim]`, `layer_cache`: that layer's (K, V) page storage or None. Returns `[num_tokens, heads, head_dim]`."""
@@ -127,6 +169,17 @@ def _allowed_mask(
     if sliding_window is not None:
         allowed &= key_positions[None, :] > q_positions[:, None] - sliding_window
     return allowed
+
+
+def _tree_allowed_mask(
+    q_positions: torch.Tensor, kv_len: int, tree_mask: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """[n_q, kv_len] bool for a tree batch's sequence: the prefix keys (positions 0..kv_len-W-1) causally, within the
+    sliding window; the tree region (the last W keys) as `tree_mask` [n_q, W] says (a tree is a few tokens deep, well
+    inside any window)."""
+    width = int(tree_mask.shape[1])
+    prefix = _allowed_mask(q_positions, kv_len - width, sliding_window)
+    return torch.cat([prefix, tree_mask.to(prefix.device)], dim=1)
 
 
 _SMALL_QUERY = 8  # decode and verify batches: at most this many new tokens per sequence
@@ -194,7 +247,9 @@ class TorchAttention(AttentionBackend):
                 kv_len = batch.kv_lens[b]
                 padded_slots[b, :kv_len] = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
                 q_positions = batch.positions[bounds[b] : bounds[b + 1]]
-                mask[b, 0, :, :kv_len] = _allowed_mask(q_positions, kv_len, sliding_window)
+                mask[b, 0, :, :kv_len] = _allowed_mask(q_positions, kv_len, sliding_window) \
+                    if batch.tree_masks is None else \
+                    _tree_allowed_mask(q_positions, kv_len, batch.tree_masks[b], sliding_window)
             plan["padded_slots"], plan["padded_mask"] = padded_slots, mask
         else:
             masks = []
@@ -203,7 +258,9 @@ class TorchAttention(AttentionBackend):
                 kv_len = batch.kv_lens[b]
                 n_q = end - start
                 plain_causal = sliding_window is None or kv_len <= sliding_window
-                if n_q == 1 and plain_causal:
+                if batch.tree_masks is not None:
+                    masks.append(_tree_allowed_mask(q_positions, kv_len, batch.tree_masks[b], sliding_window))
+                elif n_q == 1 and plain_causal:
                     masks.append(None)  # one query sees every cached key
                 elif n_q == kv_len and plain_causal:
                     masks.append("causal")

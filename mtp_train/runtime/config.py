@@ -20,9 +20,47 @@ SUPPORTED_MODEL_TYPES = {
     "mistral": "Mistral (optional sliding window)",
     "qwen2": "Qwen2/2.5 (q/k/v bias)",
     "qwen3": "Qwen3 (per-head q/k RMSNorm)",
+    "deepseek_v2": "DeepSeek-V2/V2-Lite (MLA + MoE, runtime/deepseek.py)",
+    "deepseek_v3": "DeepSeek-V3/R1 (MLA + MoE with noaux_tc routing, runtime/deepseek.py)",
 }
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+
+
+@dataclass(frozen=True)
+class DeepseekOptions:
+    """What a DeepSeek-V2/V3 config adds to the common fields (runtime/deepseek.py reads them): Multi-head Latent
+    Attention shapes and the Mixture-of-Experts routing, as transformers' DeepseekV2/V3 models compute them."""
+
+    q_lora_rank: int | None  # None: a direct q_proj
+    kv_lora_rank: int  # the compressed KV latent (cached per token, with the rope key)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) ** 2 when configured
+    rope_interleave: bool  # rope dims stored as interleaved pairs (V2 always; V3's rope_interleave)
+    n_routed_experts: int
+    n_shared_experts: int  # 0: none
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    first_k_dense_replace: int  # layers 0 .. k-1 have a dense MLP (intermediate_size)
+    scoring_func: str  # "softmax" (V2) | "sigmoid" (V3)
+    topk_method: str  # "greedy" | "group_limited_greedy" (V2) | "noaux_tc" (V3: + e_score_correction_bias)
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    num_nextn_predict_layers: int  # MTP modules a V3 checkpoint may carry at model.layers.{num_hidden_layers + k}
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer: the normalized KV latent and the rotated rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -47,6 +85,7 @@ class ModelConfig:
     rope_type: str = "default"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    deepseek: DeepseekOptions | None = None  # set for model_type deepseek_v2 / deepseek_v3
     # The parsed transformers config: rotary init functions read their parameters from it.
     hf_config: Any = field(default=None, compare=False, repr=False)
 
@@ -128,6 +167,8 @@ def _parse(raw: dict[str, Any], config_path: Any, parse_hf: Callable[[], Any]) -
 
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    deepseek = _deepseek_options(model_type, raw, hf, rope_params, rope_type, config_path) \
+        if model_type in DEEPSEEK_MODEL_TYPES else None
     attention_bias = bool(getattr(hf, "attention_bias", False))
     return ModelConfig(
         model_type=model_type,
@@ -150,5 +191,78 @@ def _parse(raw: dict[str, Any], config_path: Any, parse_hf: Callable[[], Any]) -
         rope_type=rope_type,
         bos_token_id=getattr(hf, "bos_token_id", None),
         eos_token_ids=_as_tuple(getattr(hf, "eos_token_id", None)),
+        deepseek=deepseek,
         hf_config=hf,
+    )
+
+
+def _deepseek_options(model_type: str, raw: dict[str, Any], hf: Any, rope_params: dict, rope_type: str,
+                      config_path: Any) -> DeepseekOptions:
+    """The MLA/MoE fields of a DeepSeek config, with the combinations transformers' models compute (the parity
+    reference) checked; anything else is a UserError naming the key."""
+    import math
+
+    def fail(key: str, value: Any, expected: str) -> UserError:
+        return UserError(f"{config_path}: {key}={value!r} is not supported for {model_type}; expected {expected}")
+
+    qk_head_dim = hf.qk_nope_head_dim + hf.qk_rope_head_dim
+    scale = qk_head_dim**-0.5
+    mscale_all_dim = rope_params.get("mscale_all_dim", 0) if rope_type != "default" else 0
+    if mscale_all_dim:
+        factor = float(rope_params["factor"])
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    if raw.get("moe_layer_freq", 1) != 1:
+        raise fail("moe_layer_freq", raw["moe_layer_freq"], "1 (every layer from first_k_dense_replace on is MoE)")
+    if hf.num_key_value_heads != hf.num_attention_heads:
+        raise fail("num_key_value_heads", hf.num_key_value_heads, f"num_attention_heads ({hf.num_attention_heads}): "
+                   "MLA has one latent per token, not key/value head groups")
+    for key in ("attention_bias", "mlp_bias"):
+        if getattr(hf, key, False):
+            raise fail(key, True, "false (no released DeepSeek model has biases)")
+    n_experts = hf.n_routed_experts
+    if model_type == "deepseek_v2":
+        scoring, topk_method = raw.get("scoring_func", "softmax"), hf.topk_method or "greedy"
+        if scoring != "softmax":
+            raise fail("scoring_func", scoring, "softmax")
+        if topk_method not in ("greedy", "group_limited_greedy"):
+            raise fail("topk_method", topk_method, "greedy or group_limited_greedy")
+        if hf.norm_topk_prob:
+            raise fail("norm_topk_prob", True, "false (transformers' DeepSeek-V2 does not renormalize the top-k "
+                       "weights and DeepSeek's own code does; no released V2 sets it)")
+        rope_interleave = True
+    else:
+        scoring, topk_method = raw.get("scoring_func", "sigmoid"), raw.get("topk_method", "noaux_tc")
+        if scoring != "sigmoid":
+            raise fail("scoring_func", scoring, "sigmoid")
+        if topk_method != "noaux_tc":
+            raise fail("topk_method", topk_method, "noaux_tc")
+        rope_interleave = bool(getattr(hf, "rope_interleave", True))
+    n_group = hf.n_group or 1
+    topk_group = hf.topk_group or n_group
+    if n_experts % n_group or not 1 <= topk_group <= n_group:
+        raise fail("n_group/topk_group", (hf.n_group, hf.topk_group),
+                   f"n_group dividing n_routed_experts ({n_experts}) and 1 <= topk_group <= n_group")
+    if topk_method == "noaux_tc" and n_experts // n_group < 2:
+        raise fail("n_group", n_group, "at most n_routed_experts / 2 (noaux_tc scores a group by its top-2 experts)")
+    return DeepseekOptions(
+        q_lora_rank=hf.q_lora_rank,
+        kv_lora_rank=hf.kv_lora_rank,
+        qk_nope_head_dim=hf.qk_nope_head_dim,
+        qk_rope_head_dim=hf.qk_rope_head_dim,
+        v_head_dim=hf.v_head_dim,
+        softmax_scale=scale,
+        rope_interleave=rope_interleave,
+        n_routed_experts=n_experts,
+        n_shared_experts=int(hf.n_shared_experts or 0),
+        num_experts_per_tok=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.moe_intermediate_size,
+        first_k_dense_replace=int(hf.first_k_dense_replace or 0),
+        scoring_func=scoring,
+        topk_method=topk_method,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        routed_scaling_factor=float(hf.routed_scaling_factor),
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", 0) or 0),
     )

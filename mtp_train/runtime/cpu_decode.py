@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp_train.runtime.attention import BatchInfo
+from mtp_train.runtime.attention import BatchInfo, TorchAttention
 from mtp_train.runtime.kernels import cpu_kernels
-from mtp_train.runtime.model import DecoderLayer
+from mtp_train.runtime.model import DecoderLayer, apply_rotary
 
+_TREE_ATTENTION = TorchAttention()  # tree batches: the masked attention (see DecoderLayerKernel._attend_tree)
 KERNEL_MAX_ROWS = 16  # the kernels read the weights once per 8 rows; above 16 rows torch's GEMMs win (measured)
 MAX_QUERY_PER_SEQUENCE = 16  # cached forwards whose sequences each bring at most this many tokens (decode, verify,
 # draft steps) attend over the pages in place, whatever the batch size; longer ones (a cached prefill) keep the model's
@@ -123,6 +124,9 @@ class DecoderLayerKernel:
             return linear.weight.detach().to(dtype)
 
         self.ops, self.max_rows = ops, max_rows
+        # Tensor parallel (runtime/tensor_parallel.py): o_proj and down_proj hold this rank's input columns; their
+        # partial outputs are summed over the group before the residual add.
+        self.all_reduce = getattr(layer, "tensor_parallel_all_reduce", None)
         # Batches of more than `max_rows` rows: the layer's fp32 weights, prepacked on first use.
         self.qkv_many = ManyRowLinear([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o_many = ManyRowLinear([attn.o_proj])
@@ -155,7 +159,7 @@ class DecoderLayerKernel:
     @staticmethod
     def serves(batch: BatchInfo) -> bool:
         """Whether this path computes `batch`: a cached forward whose sequences each bring a few tokens."""
-        return batch.uses_cache and batch.max_q_len <= MAX_QUERY_PER_SEQUENCE
+        return batch.uses_cache and (batch.max_q_len <= MAX_QUERY_PER_SEQUENCE or batch.tree_masks is not None)
 
     def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
@@ -165,19 +169,45 @@ class DecoderLayerKernel:
         h = ops.rms_norm(x, *self.input_norm) if self.input_norm is not None else x
         qkv = ops.linear(h, self.qkv, self.qkv_bias, None)  # [T, (heads + 2 kv_heads) * head_dim]
         attn = self._attend(qkv, cos, sin, batch, layer_cache)
-        x = ops.linear(attn, self.o, self.o_bias, x)  # + residual
+        x = self._project_add(attn, self.o, self.o_bias, x)  # + residual
         h = ops.rms_norm(x, *self.post_norm)
         mlp_hidden = ops.linear_silu_mul(h, self.gate_up, self.gate_up_bias)  # [T, intermediate]
-        return ops.linear(mlp_hidden, self.down, self.down_bias, x)  # + residual
+        return self._project_add(mlp_hidden, self.down, self.down_bias, x)  # + residual
+
+    def _project_add(self, x: torch.Tensor, weight: torch.Tensor, bias, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T + b, the residual fused into the kernel; under tensor parallelism the partial products
+        are summed over the group first (the bias is held by one rank only)."""
+        if self.all_reduce is None:
+            return self.ops.linear(x, weight, bias, residual)
+        return residual + self.all_reduce(self.ops.linear(x, weight, bias, None))
 
     def _attend(self, qkv: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
         """RoPE (and q/k norms), the new K/V written to their slots, attention over each sequence's pages in place
         (nothing gathered): [T, (heads + 2 kv_heads) * head_dim] -> [T, heads * head_dim]."""
+        if batch.tree_masks is not None:
+            return self._attend_tree(qkv, cos, sin, batch, layer_cache)
         k_cache, v_cache = layer_cache
         return self.ops.paged_attention(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.positions,
                                         batch.qo_indptr, batch.kv_page_indptr, batch.kv_page_indices, self.num_heads,
                                         self.num_kv_heads, self.scale, self.window, self.q_norm, self.k_norm,
                                         self.qk_eps)
+
+    def _attend_tree(self, qkv: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
+        """A draft tree's forward (verify, head tree steps): the kernel attends causally by position, a tree node
+        must see only its ancestors, so the attention runs in torch with the batch's tree mask (`TorchAttention`);
+        the linears around it stay the kernels'. [T, (heads + 2 kv_heads) * head_dim] -> [T, heads * head_dim]."""
+        T, D = qkv.shape[0], cos.shape[-1]
+        H, G = self.num_heads, self.num_kv_heads
+        q, k, v = qkv.view(T, H + 2 * G, D).split([H, G, G], dim=1)
+
+        def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.qk_eps))
+
+        if self.q_norm is not None:
+            q, k = norm(q, self.q_norm), norm(k, self.k_norm)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = _TREE_ATTENTION.attend(q, k, v.contiguous(), layer_cache, batch, self.scale, self.window or None)
+        return out.reshape(T, H * D)
 
     def _many_rows(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
         """A decode or verify batch of many sequences: the linears are GEMMs on the layer's fp32 weights, prepacked
@@ -188,10 +218,11 @@ class DecoderLayerKernel:
         h = ops.rms_norm(x, *self.input_norm) if self.input_norm is not None else x
         qkv = self.qkv_many(h)  # [T, (heads + 2 kv_heads) * head_dim]
         attn = self._attend(qkv, cos, sin, batch, layer_cache)  # [T, heads * head_dim]
-        x = x + self.o_many(attn)
+        reduce = self.all_reduce or (lambda partial: partial)
+        x = x + reduce(self.o_many(attn))
         h = ops.rms_norm(x, *self.post_norm)
         gate, up = self.gate_up_many(h).chunk(2, dim=-1)  # [T, intermediate] each
-        return x + self.down_many(F.silu(gate).mul_(up))
+        return x + reduce(self.down_many(F.silu(gate).mul_(up)))
 
 
 def apply_decode_path(model: nn.Module, dtype: torch.dtype, max_rows: int) -> nn.Module:

@@ -56,6 +56,15 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def model_class(config: ModelConfig) -> type[CausalLM]:
+    """The runtime class of a config's model family: the Llama family's `CausalLM`, or DeepSeek-V2/V3's."""
+    if config.deepseek is not None:
+        from mtp_train.runtime.deepseek import DeepseekForCausalLM
+
+        return DeepseekForCausalLM
+    return CausalLM
+
+
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -90,8 +99,12 @@ def load_model(
     state = load_state_dict(model_dir)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
+    if config.deepseek is not None:  # DeepSeek's MTP modules (model.layers.{L + k}.*) are heads, not target layers
+        from mtp_train.runtime.deepseek import is_mtp_key
+
+        state = {k: v for k, v in state.items() if not is_mtp_key(config, k)}
     with torch.device("meta"):
-        model = CausalLM(config, backend=get_backend(backend, device))
+        model = model_class(config)(config, backend=get_backend(backend, device))
     expected = {k for k in model.state_dict().keys()}
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -111,7 +124,9 @@ def load_model(
         shape = tuple(model.state_dict()[key].shape)
         if tuple(state[key].shape) != shape:
             raise UserError(f"{model_dir}: tensor {key} has shape {tuple(state[key].shape)}, config implies {shape}")
-    model.load_state_dict({k: state[k].to(torch_dtype) for k in expected}, strict=False, assign=True)
+    keep_fp32 = getattr(model, "FP32_TENSORS", ())  # DeepSeek's router (runtime/deepseek.py)
+    model.load_state_dict({k: state[k].to(torch.float32 if keep_fp32 and k.endswith(keep_fp32) else torch_dtype)
+                           for k in expected}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.source_dir = str(model_dir)

@@ -161,10 +161,12 @@ class TransformerBody(nn.Module):
 
 
 class CausalLM(nn.Module):
+    body_class = TransformerBody  # `model.*`; another family's module (runtime/deepseek.py) sets its own
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None):
         super().__init__()
         self.config = config
-        self.model = TransformerBody(config)
+        self.model = self.body_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

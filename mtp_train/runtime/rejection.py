@@ -85,3 +85,67 @@ def rejection_sample(
         next_probs = residual / mass if mass > _RESIDUAL_EPS else target_probs[accepted_len]
     next_token = int(torch.multinomial(next_probs, 1, generator=generator))
     return RejectionResult(accepted_len, drafts + [next_token])
+
+
+# ---- draft trees (runtime/spec/tree.py) ---------------------------------------------------------------------------
+#
+# A tree of n + 1 nodes: node 0 is the root (the last committed token), node i > 0 a draft token whose parent is an
+# earlier node; `children[u]` lists u's children in the order they are tested. `target_probs[u]` predicts the token
+# after node u (the target's verify row of node u).
+
+
+@dataclass(frozen=True)
+class TreeRejectionResult:
+    path: list[int]  # the accepted nodes, root excluded, root to leaf (their number is the accepted length)
+    token_ids: list[int]  # their tokens + one corrected (on rejection) or bonus (after a leaf) token
+
+
+def greedy_accept_tree(node_tokens: list[int], children: list[list[int]], target_argmax: list[int]
+                       ) -> TreeRejectionResult:
+    """Greedy tree verification: from the root, follow the child whose token is the target's argmax while there is
+    one; then emit the target's argmax at the last accepted node (the longest path of argmax tokens + the bonus)."""
+    node, path = 0, []
+    while True:
+        choice = target_argmax[node]
+        nxt = next((c for c in children[node] if node_tokens[c] == choice), None)
+        if nxt is None:
+            return TreeRejectionResult(path, [node_tokens[c] for c in path] + [choice])
+        path.append(nxt)
+        node = nxt
+
+
+def tree_rejection_sample(
+    node_tokens: list[int],
+    children: list[list[int]],
+    candidate_probs: dict[int, torch.Tensor],  # node u -> [len(children[u]), vocab]: what each child was drawn from
+    target_probs: torch.Tensor,  # [n + 1, vocab] fp32
+    generator: torch.Generator | None = None,
+) -> TreeRejectionResult:
+    """Multi-candidate recursive rejection sampling over the siblings (SpecInfer; Jeon et al. 2024, recursive
+    speculative decoding). At node u with target distribution p, its children x_1..x_m are tested in order: x_i,
+    drawn from q_i (`candidate_probs[u][i]`, the draft distribution given the earlier siblings: q with x_1..x_{i-1}
+    removed and renormalized for sampling without replacement, one-hot for a deterministic candidate), is accepted
+    with probability min(1, p(x_i) / q_i(x_i)); on rejection p becomes norm(max(0, p - q_i)) and the next sibling is
+    tried. An accepted child becomes u (its own target row is the new p); when every child is rejected one token is
+    sampled from the last p, after a leaf the bonus from p. Each step is the chain's lossless rule with draft q_i, so
+    the emitted tokens are distributed as the target's own samples, provided each candidate was drawn from its q_i
+    and the number of children of a node does not depend on the values drawn for those children."""
+    node, path = 0, []
+    while True:
+        p = target_probs[node].float()
+        accepted = None
+        for i, child in enumerate(children[node]):
+            q = candidate_probs[node][i].float()
+            token = node_tokens[child]
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u * float(q[token]) < float(p[token]):  # u < p/q without dividing (q = 0: accept iff p > 0)
+                accepted = child
+                break
+            residual = (p - q).clamp_(min=0)
+            mass = residual.sum()
+            p = residual / mass if mass > _RESIDUAL_EPS else p
+        if accepted is None:
+            next_token = int(torch.multinomial(p, 1, generator=generator))
+            return TreeRejectionResult(path, [node_tokens[c] for c in path] + [next_token])
+        path.append(accepted)
+        node = accepted

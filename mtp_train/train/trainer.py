@@ -176,7 +176,7 @@ class TrainingRun:
     world_size: int
     device: torch.device
     precision: Any  # runtime.precision.Precision
-    target: Any  # runtime.model.CausalLM: embed_tokens and lm_head, used by reference
+    target: Any  # runtime.frozen_parts.FrozenParts: embed_tokens and lm_head, used by reference
     fingerprint: str
     train_reader: Any  # features.reader.FeatureReader
     eval_reader: Any
@@ -208,17 +208,17 @@ class TrainingRun:
 
 
 def setup(recipe) -> TrainingRun:
-    """Process group (gloo on CPU, NCCL on CUDA; alone too), compute dtype, target, feature readers, head (draft
+    """Process group (gloo on CPU, NCCL on CUDA; alone too), compute dtype, the target's frozen parts (never the whole
+    target: `runtime.frozen_parts`), feature readers, head (draft
     vocabulary chosen from the training labels), AdamW + LR schedule inside a DeepSpeed engine."""
     import deepspeed
     import torch.distributed as dist
 
     from mtp_train.features.reader import FeatureReader
     from mtp_train.data.prepared import tokenizer_fingerprint
-    from mtp_train.fingerprint import target_fingerprint
     from mtp_train.heads import head_class
     from mtp_train.recipe import with_precision
-    from mtp_train.runtime.loader import load_model
+    from mtp_train.runtime.frozen_parts import load_frozen_parts
     from mtp_train.runtime.precision import resolve_precision
 
     train = recipe.train
@@ -241,9 +241,11 @@ def setup(recipe) -> TrainingRun:
     if rank == 0:
         print(f"train: {precision.describe('prefill')}", flush=True)
 
-    # Target (frozen: only embed_tokens and lm_head are used, by reference) and the head.
-    target = load_model(recipe.target.path, dtype=precision.dtype, device=device)
-    fingerprint = target_fingerprint(recipe.target.path)
+    # The target's frozen parts only (embed_tokens, lm_head; the last layer and final norm for init last_layer), read
+    # from its safetensors without building the target: a rank holds 2·V·d target values, not the whole model.
+    target = load_frozen_parts(recipe.target.path, dtype=precision.torch_dtype, device=device,
+                               last_layer=recipe.head.init == "last_layer")
+    fingerprint = target.fingerprint
     # The target's tokenizer must be the one that tokenized the data; hashed once for both readers.
     tokenizer = tokenizer_fingerprint(recipe.target.path, recipe.data.chat_template)
     head_config = recipe.head.head_config(target.config, fingerprint, recipe.precompute.aux_layers)
@@ -256,6 +258,7 @@ def setup(recipe) -> TrainingRun:
                                 **{**readers_kwargs, "rank": 0, "world_size": 1})
     torch.manual_seed(train.seed)
     head = head_class(head_config.kind).from_target(target, head_config, dtype=torch.float32)
+    target.last_layer = target.final_norm = None  # only the head's init reads them (70B: 1.7 GB in bf16)
     draft_vocab_coverage = None
     if head_config.draft_vocab_size is not None:
         draft_vocab_coverage = _choose_draft_vocab(head, target, recipe.features_dir, recipe.head.draft_vocab_source,

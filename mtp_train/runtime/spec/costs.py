@@ -147,3 +147,57 @@ def measure_cost_curves(target, drafts: dict[str, object], prompt_ids: list[int]
         curves[name] = CostCurve(decode, verify, draft_step, len(prompt_ids),
                                  measure_s=target_s + time.perf_counter() - started)
     return curves
+
+
+@dataclass(frozen=True)
+class TreeCost:
+    """One target forward over a draft tree of N + 1 tokens (root + N nodes, the tree attention mask) and over N + 1
+    causal tokens (a chain verify of the same size), both relative to one decode step: what a tree step costs, and
+    what the mask itself adds (`mask_cost`)."""
+
+    verify_over_decode: float
+    causal_verify_over_decode: float
+
+    @property
+    def mask_cost(self) -> float:
+        return self.verify_over_decode / self.causal_verify_over_decode
+
+    def predicted_speedup(self, tau: float, depth: int, draft_step_over_decode: float) -> float:
+        """τ / (tree verify/decode + depth · draft step/decode): a tree step runs the head `depth` times (its catch-up
+        and depth - 1 tree steps of up to topk rows, each costed as one chain draft step), like a chain of k = depth."""
+        return tau / (self.verify_over_decode + depth * draft_step_over_decode)
+
+    def as_dict(self) -> dict:
+        return {"verify_over_decode": round(self.verify_over_decode, 5),
+                "causal_verify_over_decode": round(self.causal_verify_over_decode, 5),
+                "mask_cost": round(self.mask_cost, 4)}
+
+
+@torch.inference_mode()
+def measure_tree_costs(target, prompt_ids: list[int], shapes: list, decode_s: float, repeats: int = 5
+                       ) -> dict[str, TreeCost]:
+    """{shape label: TreeCost} for each `TreeShape` (its representative tree, `tree.representative_tree`), after
+    `prompt_ids`, relative to `decode_s` (one decode step measured on the same target)."""
+    from mtp_train.runtime.attention import ancestor_mask
+    from mtp_train.runtime.spec.tree import representative_tree
+
+    nodes = max(shape.nodes for shape in shapes) + 1
+    allocator = PageAllocator(_pages(prompt_ids, nodes), 16)
+    cache, seq = target.new_kv_cache(allocator), Sequence(0)
+    target(torch.tensor(prompt_ids), BatchInfo.for_sequences([seq], [len(prompt_ids)], allocator), cache)
+    start = seq.num_cached
+    causal = target_step_seconds(target, prompt_ids, sorted({shape.nodes + 1 for shape in shapes}), repeats)
+    costs = {}
+    for shape in shapes:
+        parents, depths = representative_tree(shape)
+        mask = ancestor_mask([-1, *parents])
+        positions = [start, *(start + d for d in depths)]
+        ids = torch.tensor([prompt_ids[i % len(prompt_ids)] for i in range(len(positions))])
+
+        def step() -> None:
+            target(ids, BatchInfo.for_tree([seq], [positions], [mask], allocator), cache)
+            seq.num_cached = start
+            _synchronize(target.device)
+
+        costs[shape.label] = TreeCost(best_seconds(step, repeats) / decode_s, causal[shape.nodes + 1] / decode_s)
+    return costs

@@ -27,6 +27,7 @@ from mtp_train.runtime.rejection import RejectionResult, greedy_accept, rejectio
 from mtp_train.runtime.sampler import SamplingParams, processed_probs, sample
 from mtp_train.runtime.spec.proposer import DraftProposal, Request, make_proposer, rewind
 from mtp_train.runtime.spec.stats import SpecStats
+from mtp_train.runtime.spec.tree import DraftTree, TreeProposer, compact_accepted_path
 
 MAX_SPECULATIVE_TOKENS = 8
 
@@ -62,8 +63,10 @@ def speculative_generate(
     """Generate for a batch of tokenized prompts with speculative decoding; the output is distributed exactly as
     `generate(target, ...)` (token-identical in greedy mode, up to float ties).
 
-    `draft`: a draft head (MTP chain), a `CausalLM` with the target's vocabulary (target–draft) or `PromptLookup`.
-    `num_speculative_tokens` k in 1..8; the last step of a sequence drafts fewer when fewer tokens remain.
+    `draft`: a draft head (MTP chain), a `CausalLM` with the target's vocabulary (target–draft), `PromptLookup`, or
+    `DraftTree(head, TreeShape(depth, topk, nodes)[, lookup])` (tree drafting, `spec/tree.py`: k is then ignored and
+    the stats count per depth). `num_speculative_tokens` k in 1..8; the last step of a sequence drafts fewer when
+    fewer tokens remain.
     `allocator`: the page allocator shared by target and draft (default: one sized for the batch); every page is
     back on its free list when this returns. `on_tokens(seq_index, new_ids)` streams committed tokens."""
     if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -76,12 +79,14 @@ def speculative_generate(
     device = target.device
     # Every position either model caches is < prompt_len + max_new_tokens (the last step drafts fewer), so the plain
     # generation budget is enough for both.
-    allocator = allocator or PageAllocator(pages_for(prompts, max_new_tokens, page_size), page_size)
+    # A tree writes its N + 1 nodes after the committed tokens (its slots run past the positions it drafts).
+    slack = draft.shape.nodes + 1 if isinstance(draft, DraftTree) else 0
+    allocator = allocator or PageAllocator(pages_for(prompts, max_new_tokens, page_size, slack), page_size)
     proposer = make_proposer(target, draft, allocator)
     proposer.check_lengths(prompts, max_new_tokens)
     target_cache = target.new_kv_cache(allocator)
     generator = torch.Generator(device=device).manual_seed(seed)
-    k = num_speculative_tokens
+    k = num_speculative_tokens if not isinstance(proposer, TreeProposer) else proposer.shape.depth
     stats = SpecStats(schedule=proposer.schedule, num_speculative_tokens=k)
     requests = []
     for i, prompt in enumerate(prompts):
@@ -99,6 +104,49 @@ def speculative_generate(
         if done:
             req.release(allocator)
         return done
+
+    def tree_step(active: list[Request]) -> list[Request]:
+        """One tree step: draft a tree per sequence (depth never more than can still be emitted), verify all its
+        nodes in one target forward with the tree mask, commit the accepted path + one token, keep only the
+        accepted path in the target's cache; returns the requests still running."""
+        depths = [min(k, outputs.remaining(r.index) - 1) for r in active]
+        trees = proposer.propose_tree(active, depths, sampling, generator)
+        verify_starts = [r.target_view.num_cached for r in active]  # position of t_last (the root)
+        positions = [[start, *(start + d for d in tree.depths)] for start, tree in zip(verify_starts, trees)]
+        batch = BatchInfo.for_tree([r.target_view for r in active], positions, [t.verify_mask() for t in trees],
+                                   allocator, device)
+        input_ids = torch.tensor([t for r, tree in zip(active, trees) for t in (r.token_ids[-1], *tree.tokens)],
+                                 device=device)
+        out = target(input_ids, batch, target_cache, return_hidden=True, aux_layers=proposer.aux_layers)
+        stats.target_forwards += 1
+        stats.target_sequence_forwards += len(active)
+        stats.verify_sequence_steps += len(active)
+        verify_lens = [tree.size + 1 for tree in trees]
+        logits_per_request = out.logits.split(verify_lens)  # [n_b + 1, vocab] each
+        hidden_per_request = proposer.target_states(out).split(verify_lens)  # [n_b + 1, d (3d)] each
+        still_active = []
+        for req, tree, start, logits, hidden in zip(active, trees, verify_starts, logits_per_request,
+                                                    hidden_per_request):
+            verdict = tree.accept(logits, req.token_ids[-1], sampling, generator)
+            accepted_len = len(verdict.path)
+            stats.drafted_tokens += tree.size
+            stats.accepted_tokens += accepted_len
+            for j in range(max(tree.depths, default=0)):
+                stats.drafted_per_position[j] += 1
+                stats.accepted_per_position[j] += int(j < accepted_len)
+            if commit(req, verdict.token_ids):
+                continue
+            # Keep the root and the accepted path (moved into place) in the target cache; the new last token is not
+            # cached yet. Rows of the rejected nodes are cut off (their pages freed by trim_pages below).
+            compact_accepted_path(target_cache, req.target_view, start, verdict.path)
+            rewind(req.target_view, start + accepted_len + 1)
+            proposer.observe_target(req.draft, hidden[[0, *verdict.path]], start)
+            still_active.append(req)
+        if still_active:
+            proposer.catch_up(still_active)
+            for req in still_active:
+                req.trim_pages(allocator)
+        return still_active
 
     try:
         # ---- prefill: target over the prompts, first token, then the draft catches up -----------------------------
@@ -124,6 +172,9 @@ def speculative_generate(
         # ---- speculative steps ---------------------------------------------------------------------------------
         start = time.perf_counter()
         while active:
+            if isinstance(proposer, TreeProposer):
+                active = tree_step(active)
+                continue
             # Draft: never more than can still be emitted (a step emits up to k_b + 1 tokens).
             num_drafts = [min(k, outputs.remaining(r.index) - 1) for r in active]
             proposals = proposer.propose(active, num_drafts, sampling, generator)
