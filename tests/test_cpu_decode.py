@@ -142,3 +142,26 @@ def test_disabled_by_environment(monkeypatch):
     assert kernels.cpu_kernels() is None
     assert kernels.ENV_SWITCH in kernels.unavailable_reason()
     assert kernels.kernels_summary().startswith("unavailable")
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["avx2", "native-bf16"])
+def test_many_row_gemms_use_bf16_only_on_native_bf16_cpus_with_a_bf16_decode_dtype(monkeypatch, native):
+    """Forwards above the kernels' rows: fp32 GEMMs (exact) unless the decode dtype is bf16 on a CPU with native bf16
+    matmul, where the GEMMs read a bf16 copy (bf16 rounding, fp32 output)."""
+    import mtp_train.runtime.cpu_decode as cpu_decode
+    from torch import nn
+
+    monkeypatch.setattr(cpu_decode, "_native_bf16", lambda: native)
+    torch.manual_seed(0)
+    q, k = nn.Linear(64, 96), nn.Linear(64, 32, bias=False)
+    x = torch.randn(40, 64)
+    reference = torch.cat([q(x), k(x)], dim=-1).detach()
+    exact = cpu_decode.ManyRowLinear([q, k], torch.float32)(x)
+    assert exact.dtype == torch.float32 and torch.allclose(exact, reference, atol=1e-5)
+    decoded = cpu_decode.ManyRowLinear([q, k], torch.bfloat16)(x)
+    assert decoded.dtype == torch.float32
+    error = (decoded - reference).abs().max().item()
+    if native:
+        assert 0 < error <= 0.03 * reference.abs().max().item()  # bf16 weights and activations
+    else:
+        assert error <= 1e-5  # no native bf16: the fp32 GEMM

@@ -144,7 +144,10 @@ def test_decode_probe_is_cached_per_machine(tmp_path):
     assert len(calls) == 3
 
 
-def test_decode_weights_serve_small_row_calls_only():
+def test_decode_weights_serve_small_row_calls_only(monkeypatch):
+    import mtp_train.runtime.cpu_decode as cpu_decode
+
+    monkeypatch.setattr(cpu_decode, "_native_bf16", lambda: False)  # the AVX2 machine: fp32 GEMMs above the rows
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8, bias=False))
     reference = {k: v.clone() for k, v in model.state_dict().items()}
