@@ -27,8 +27,9 @@ def make_prompts(batch_size: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_and_compare(target, draft, prompts, max_new_tokens, k, page_size=4, **kwargs):
-    """Speculative vs plain greedy on the same prompts; asserts identical tokens, finish reasons and that every page
-    is back. Returns the speculative results and stats."""
+    """Speculative (chain or tree) vs plain greedy on the same prompts; asserts identical tokens, finish reasons, that
+    every page is back and that the counters agree (a tree counts its nodes as drafted tokens and, per depth, the
+    steps whose tree / accepted path reached it). Returns the speculative results and stats."""
     reference, _ = generate(target, prompts, max_new_tokens, page_size=page_size, **kwargs)
     allocator = PageAllocator(64, page_size=page_size)
     results, stats = speculative_generate(
@@ -40,8 +41,11 @@ def run_and_compare(target, draft, prompts, max_new_tokens, k, page_size=4, **kw
     assert allocator.num_free == allocator.num_pages
     assert stats.new_tokens == sum(len(r.token_ids) for r in results)
     assert stats.target_sequence_forwards == len(prompts) + stats.verify_sequence_steps
-    assert sum(stats.drafted_per_position) == stats.drafted_tokens
+    if not stats.schedule.startswith("tree"):  # a chain drafts one token per position per step
+        assert sum(stats.drafted_per_position) == stats.drafted_tokens
     assert sum(stats.accepted_per_position) == stats.accepted_tokens
+    assert stats.drafted_per_position[0] <= stats.verify_sequence_steps
+    assert all(a <= d for a, d in zip(stats.accepted_per_position, stats.drafted_per_position))
     # The prefill commits one token per sequence, each verify the accepted drafts + one (fewer only after a stop).
     committed_by_steps = len(prompts) + stats.accepted_tokens + stats.verify_sequence_steps
     if kwargs.get("stop_token_ids"):

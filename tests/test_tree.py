@@ -28,31 +28,10 @@ from tests.spec_helpers import (
     SMALL_VOCAB,
     exact_first_three_tokens,
     make_prompts,
+    run_and_compare,
 )
 
 SHAPES = ["1x1x1", "3x1x3", "3x2x6", "4x3x12", "2x4x20"]
-
-
-def run_and_compare(target, draft, prompts, max_new_tokens, k, page_size=4, **kwargs):
-    """Speculative (chain or tree) vs plain greedy on the same prompts: identical tokens and finish reasons, every
-    page back on the allocator, and the counters consistent (a tree counts its nodes as drafted tokens and, per
-    depth, the steps whose tree / accepted path reached it)."""
-    reference, _ = generate(target, prompts, max_new_tokens, page_size=page_size, **kwargs)
-    allocator = PageAllocator(64, page_size=page_size)
-    results, stats = speculative_generate(target, draft, prompts, max_new_tokens, k, page_size=page_size,
-                                          allocator=allocator, **kwargs)
-    for b, (spec, ref) in enumerate(zip(results, reference)):
-        assert spec.token_ids == ref.token_ids, (b, k)
-        assert spec.finish_reason == ref.finish_reason, (b, k)
-    assert allocator.num_free == allocator.num_pages
-    assert stats.new_tokens == sum(len(r.token_ids) for r in results)
-    assert stats.target_sequence_forwards == len(prompts) + stats.verify_sequence_steps
-    assert sum(stats.accepted_per_position) == stats.accepted_tokens
-    assert stats.drafted_per_position[0] <= stats.verify_sequence_steps
-    assert all(a <= d for a, d in zip(stats.accepted_per_position, stats.drafted_per_position))
-    if not kwargs.get("stop_token_ids"):
-        assert stats.new_tokens == len(prompts) + stats.accepted_tokens + stats.verify_sequence_steps
-    return results, stats
 
 
 def make_head(target, init: str) -> DraftHead:

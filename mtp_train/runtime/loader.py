@@ -127,7 +127,13 @@ def load_model(
     keep_fp32 = getattr(model, "FP32_TENSORS", ())  # DeepSeek's router (runtime/deepseek.py)
     model.load_state_dict({k: state[k].to(torch.float32 if keep_fp32 and k.endswith(keep_fp32) else torch_dtype)
                            for k in expected}, strict=False, assign=True)
-    if config.tie_word_embeddings:
+    return finish_loading(model, model_dir, device, precision)
+
+
+def finish_loading(model: CausalLM, model_dir: Path, device: torch.device, precision: Precision | None) -> CausalLM:
+    """The steps after the weights are assigned (here and in `tensor_parallel.load_model_tensor_parallel`): tied
+    lm_head, source dir, device, frozen inference mode, the decode path of `precision`."""
+    if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.source_dir = str(model_dir)
     model.to(device)

@@ -309,8 +309,7 @@ def load_model_tensor_parallel(model_dir: str | Path, group: TensorParallelGroup
     from safetensors import safe_open
 
     from mtp_train.runtime.attention import get_backend
-    from mtp_train.runtime.loader import _weight_files, load_model, resolve_device, resolve_dtype
-    from mtp_train.runtime.precision import apply_decode_weights
+    from mtp_train.runtime.loader import _weight_files, finish_loading, load_model, resolve_device, resolve_dtype
 
     if group.size == 1:
         return load_model(model_dir, dtype=dtype, device=device, backend=backend, precision=precision)
@@ -368,19 +367,10 @@ def load_model_tensor_parallel(model_dir: str | Path, group: TensorParallelGroup
         raise UserError(f"{model_dir}: unexpected tensor(s) {', '.join(sorted(unexpected)[:3])} for "
                         f"model_type={config.model_type} (an unsupported config option or a different architecture)")
     model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = module.weight.shape
-    model.source_dir = str(model_dir)
-    model.to(device)
-    model.eval()
-    model.requires_grad_(False)
-    if precision is not None:
-        resolve_dtype(precision.decode_dtype, device)
-        apply_decode_weights(model, precision)
-    return model
+    return finish_loading(model, model_dir, device, precision)
 
 
 def describe(layout: ParallelLayout, config: ModelConfig) -> str:
