@@ -74,8 +74,10 @@ def _add_trees(report: dict[str, Any], draft_name: str | None, tree_costs: dict[
     """Into `report`: `trees` ({tree method: shape, τ, mean acceptance length, tokens/s, speedup, τ over the best
     chain τ of the same draft, and with its cost the verify cost per decode step, the mask's cost and the predicted
     speedup}) and `best_tree` (by measured speedup) with the settings engines take for it: SGLang's
-    --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens (the root counted) and vLLM's
-    static `speculative_token_tree` (paths of child ranks) of its representative tree."""
+    --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens (the root counted; SGLang has
+    no lookup branch, so a hybrid tree's are for its head part) and the static `speculative_token_tree` (paths of child
+    ranks) of its representative tree, the experimental option of earlier vLLM V1 releases (vLLM 0.32.0 has no tree
+    option and rejects it: `mtp-train export` writes the chain k for vLLM, see docs/export.md)."""
     from mtp_train.runtime.spec.tree import parse_tree_method, representative_tree
 
     chains = {m: r for m, r in report["overall"].items() if draft_name and m.startswith(f"{draft_name}@k=")}
@@ -137,8 +139,9 @@ def _tree_lines(report: dict[str, Any]) -> list[str]:
                            _optional(t, "predicted_speedup", "{:.2f}×")]))
     best = report.get("best_tree")
     if best:
-        lines += ["", f"Best tree by measured speedup: {best['method']}. SGLang: `{best['sglang_args']}`; vLLM "
-                  f"(static tree): `speculative_token_tree: {best['vllm_speculative_token_tree']}`."]
+        lines += ["", f"Best tree by measured speedup: {best['method']}. SGLang: `{best['sglang_args']}`; static tree "
+                  f"(earlier vLLM V1 releases; vLLM 0.32.0 has no tree option): "
+                  f"`speculative_token_tree: {best['vllm_speculative_token_tree']}`."]
     return lines
 
 

@@ -12,6 +12,7 @@ from mtp_train.export.common import (
     BLOCK_KEY, CHECKSUMS_KEY, CONFIG_FILENAME, DRAFT_VOCAB_TENSORS, HEAD_CONFIG_FILENAME, WEIGHTS_FILENAME, Target,
     check_out_dir, parse_dtype, write_directory,
 )
+from mtp_train.export.measured_settings import DEFAULT_NUM_SPECULATIVE_TOKENS, SPECULATIVE_KEY, find_measured_settings
 from mtp_train.export.registry import get_format
 from mtp_train.fileio import json_bytes
 from mtp_train.heads.io import check_finite, head_config_bytes, read_head, safetensors_bytes, sha256_hex
@@ -21,7 +22,8 @@ log = logging.getLogger(__name__)
 
 def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | os.PathLike[str],
                 target_dir: str | os.PathLike[str] | None, dtype: str | None = None, overwrite: bool = False,
-                num_speculative_tokens: int = 3, full_vocab: bool = False) -> Path:
+                num_speculative_tokens: int | None = None, full_vocab: bool = False,
+                eval_report: str | os.PathLike[str] | None = None, use_eval_report: bool = True) -> Path:
     """Write the head saved at `head_dir` (by `heads.save_head`) as `format_name` into `out`.
 
     `target_dir`: the target the head was trained for. Every format needs it: it is checked against the head (hidden
@@ -32,12 +34,17 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
     `mtp_train.checksums` records the sha256 of every other file (native's head_config.json also records its
     model.safetensors', as `save_head` does). The head is read with `heads.read_head`'s checks (its recorded
     checksum, no NaN/Inf), and the tensors written must be finite too (a cast to float16 can overflow).
-    `num_speculative_tokens`: k in the serving arguments a format writes (vllm-mtp's vllm_serve.json / SERVING.md).
+    `num_speculative_tokens`: k in the serving arguments a format writes (vllm-mtp's vllm_serve.json / SERVING.md,
+    eagle3's speculators_config); None: the eval report's best k by measured speedup, else 3.
+    `eval_report`: the head's `mtp-train eval` report.json (or its directory); None: `<head>/../eval/report.json`
+    when it measured this head. Its best chain and tree settings go into config.json's `mtp_train.speculative`
+    (export/measured_settings.py); without a report nothing is written there (the log line says so);
+    `use_eval_report` False ignores any report.
     `full_vocab`: export a head trained with a reduced draft vocabulary as a full-vocabulary head (its d2t/t2d
     dropped: it then drafts over the target's whole lm_head; the formats without a draft vocabulary refuse it
     otherwise); config.json's mtp_train block records the dropped size as `full_vocab_from_draft_vocab_size`."""
     fmt = get_format(format_name)
-    if num_speculative_tokens < 1:
+    if num_speculative_tokens is not None and num_speculative_tokens < 1:
         raise UserError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
     torch_dtype = parse_dtype(dtype)
     head_dir, out = Path(head_dir), Path(out)
@@ -51,6 +58,14 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
     target = Target.from_directory(target_dir)
     if not head_dir.is_dir():
         raise UserError(f"{head_dir}: head directory not found")
+    measured, measured_note = find_measured_settings(head_dir, eval_report, use_eval_report)
+    if num_speculative_tokens is not None:
+        k_source = "--num-speculative-tokens"
+    elif measured is not None and measured.chain_by_speedup is not None:
+        num_speculative_tokens = measured.chain_by_speedup.k
+        k_source = f"the eval report's best k by measured speedup ({measured.chain_by_speedup.method})"
+    else:
+        num_speculative_tokens, k_source = DEFAULT_NUM_SPECULATIVE_TOKENS, "the default (no measured k)"
     state, head_config = read_head(head_dir, target.config, target.fingerprint)
     full_vocab_from = None
     if full_vocab and head_config.draft_vocab_size is not None:
@@ -79,6 +94,12 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
 
     # Besides JSON, a format may write a ready file (bytes): eagle's SGLang token map.
     config = files.pop(CONFIG_FILENAME)
+    if measured is not None:
+        config[BLOCK_KEY][SPECULATIVE_KEY] = measured.block(fmt.serving_engines(head_config, target),
+                                                            num_speculative_tokens, k_source)
+    else:
+        measured_note += ": config.json records no measured speculative settings"
+    measured_note += f"; serving k = {num_speculative_tokens} ({k_source})"
     contents = {name: c if isinstance(c, bytes) else json_bytes(c) for name, c in files.items()}
     contents[WEIGHTS_FILENAME] = safetensors_bytes(tensors, {"mtp_train_format": fmt.name, "kind": head_config.kind})
     if HEAD_CONFIG_FILENAME in contents:  # native: loadable by heads.load_head as is, with the weights' checksum
@@ -86,5 +107,6 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
     config[BLOCK_KEY][CHECKSUMS_KEY] = {name: sha256_hex(data) for name, data in sorted(contents.items())}
     contents[CONFIG_FILENAME] = json_bytes(config)
     write_directory(out, contents, overwrite)
-    log.info("exported %s head %s as %s to %s (%d tensors)", head_config.kind, head_dir, fmt.name, out, len(tensors))
+    log.info("exported %s head %s as %s to %s (%d tensors); %s", head_config.kind, head_dir, fmt.name, out,
+             len(tensors), measured_note)
     return out

@@ -146,6 +146,9 @@ class VllmMTPFormat(ExportFormat):
             config[BLOCK_KEY]["full_vocab_from_draft_vocab_size"] = options["full_vocab_from"]
         return config
 
+    def serving_engines(self, head_config, target):
+        return ("vllm",)
+
     def format_state(self, state, head_config, target):
         out = dict(state)
         out["eh_proj.weight"] = swap_halves(state["eh_proj.weight"])
