@@ -40,7 +40,11 @@ def test_linear_matches_torch(ops, rows, weight_dtype, in_features):
     x = torch.randn(rows, in_features, generator=gen)
     weight = torch.randn(200, in_features, generator=gen).to(weight_dtype)
     bias, residual = torch.randn(200, generator=gen), torch.randn(rows, 200, generator=gen)
-    reference = F.linear(x.double(), weight.double())  # fp32 accumulation vs an fp64 reference
+    if weight_dtype == torch.bfloat16 and ops.bf16_activations():
+        x_met = x.bfloat16()  # the AVX512-BF16 build: bf16 weights meet bf16-rounded activations (vdpbf16ps)
+    else:
+        x_met = x
+    reference = F.linear(x_met.double(), weight.double())  # fp32 accumulation vs an fp64 reference
     tol = dict(rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(ops.linear(x, weight, None, None), reference.float(), **tol)
     torch.testing.assert_close(ops.linear(x, weight, bias, residual), (reference + bias + residual).float(), **tol)
@@ -54,8 +58,9 @@ def test_linear_silu_mul_matches_torch(ops, rows, with_bias):
     gate, up = torch.randn(40, 64, generator=gen).bfloat16(), torch.randn(40, 64, generator=gen).bfloat16()
     gate_bias, up_bias = torch.randn(40, generator=gen), torch.randn(40, generator=gen)
     bias = torch.stack((gate_bias, up_bias), dim=1).contiguous() if with_bias else None
-    expected = F.silu(F.linear(x, gate.float(), gate_bias if with_bias else None)) * F.linear(
-        x, up.float(), up_bias if with_bias else None)
+    x_met = x.bfloat16().float() if ops.bf16_activations() else x  # see test_linear_matches_torch
+    expected = F.silu(F.linear(x_met, gate.float(), gate_bias if with_bias else None)) * F.linear(
+        x_met, up.float(), up_bias if with_bias else None)
     torch.testing.assert_close(ops.linear_silu_mul(x, pack_gate_up(gate, up).contiguous(), bias), expected,
                                rtol=1e-5, atol=1e-5)
 
@@ -142,6 +147,68 @@ def test_disabled_by_environment(monkeypatch):
     assert kernels.cpu_kernels() is None
     assert kernels.ENV_SWITCH in kernels.unavailable_reason()
     assert kernels.kernels_summary().startswith("unavailable")
+
+
+ZEN4_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"})
+
+
+@pytest.mark.parametrize("flags, requested, variant", [
+    (ZEN4_FLAGS, "1", "avx512bf16"),
+    (ZEN4_FLAGS - {"avx512_bf16"}, "1", "avx512"),
+    (frozenset({"avx2", "fma", "f16c"}), "1", "avx2"),
+    (frozenset({"sse4_2"}), "1", "generic"),
+    (ZEN4_FLAGS, "avx2", "avx2"),  # the AVX2 path forced on an AVX-512 machine
+])
+def test_the_build_follows_the_cpu_flags_or_the_environment(monkeypatch, flags, requested, variant):
+    from mtp_train.runtime import hardware
+
+    monkeypatch.setattr(hardware, "cpu_facts", lambda: hardware.CpuFacts("cpu", "x86_64", flags))
+    monkeypatch.setenv(kernels.ENV_SWITCH, requested)
+    name, compiler_flags = kernels._build_flags()
+    assert name == variant and compiler_flags == kernels.VARIANTS[variant][1]
+
+
+def test_a_build_the_cpu_cannot_run_is_refused_with_what_it_lacks(monkeypatch):
+    from mtp_train.runtime import hardware
+
+    monkeypatch.setattr(hardware, "cpu_facts", lambda: hardware.CpuFacts("cpu", "x86_64", frozenset({"avx2", "fma",
+                                                                                                     "f16c"})))
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv(kernels.ENV_SWITCH, "avx512bf16")
+    assert kernels.cpu_kernels() is None  # decoding falls back to torch, with the reason
+    assert "lacks avx512_bf16, avx512bw, avx512dq, avx512f, avx512vl" in kernels.unavailable_reason()
+
+
+_OTHER_BUILD_CHECK = """
+import torch
+from mtp_train.runtime import kernels
+ops = kernels.cpu_kernels()
+assert ops is not None and kernels.kernels_variant() == {variant!r}, (kernels.kernels_variant(), kernels.unavailable_reason())
+gen = torch.Generator().manual_seed(0)
+x = torch.randn(5, 96, generator=gen)
+for weight in (torch.randn(40, 96, generator=gen), torch.randn(40, 96, generator=gen).bfloat16()):
+    met = x.bfloat16().double() if weight.dtype == torch.bfloat16 and ops.bf16_activations() else x.double()
+    torch.testing.assert_close(ops.linear(x, weight, None, None), (met @ weight.double().T).float(), rtol=1e-5, atol=1e-4)
+    rows = ops.linear(x, weight, None, None)
+    assert all(torch.equal(rows[i], ops.linear(x[i:i + 1], weight, None, None)[0]) for i in range(5))
+print("ok", kernels.kernels_variant(), ops.bf16_activations())
+"""
+
+
+def test_the_other_build_of_this_cpu_computes_the_same(tmp_path):
+    """The build this CPU does not pick by default, forced with MTP_TRAIN_CPU_KERNELS (AVX2 on an AVX-512 machine,
+    the portable one on an AVX2 machine): built, loaded, the linear within fp32 accumulation of the reference and
+    its rows bit-identical to single-row calls. Run in a subprocess: a process loads one build."""
+    import os
+    import subprocess
+    import sys
+
+    variant = "avx2" if kernels.kernels_variant() in ("avx512bf16", "avx512") else "generic"
+    env = {**os.environ, kernels.ENV_SWITCH: variant}
+    result = subprocess.run([sys.executable, "-c", _OTHER_BUILD_CHECK.format(variant=variant)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[:2] == ["ok", variant]
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["avx2", "native-bf16"])

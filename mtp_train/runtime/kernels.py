@@ -2,7 +2,10 @@
 ninja, ~30 s), cached in torch's extension directory, registered as `torch.ops.mtp_cpu.*`.
 
 `cpu_kernels()` returns the op namespace, or None where they cannot be built (no compiler, `MTP_TRAIN_CPU_KERNELS=0`):
-the runtime then decodes through the plain torch path, with a warning saying why.
+the runtime then decodes through the plain torch path, with a warning saying why. The build follows the CPU's flags
+(`avx512bf16`, `avx512`, `avx2`, `generic`); `MTP_TRAIN_CPU_KERNELS=<variant>` forces one (e.g. `avx2` on an AVX-512
+machine, to measure what an AVX2-only CPU runs). In the `avx512bf16` build bf16 decode weights meet bf16-rounded
+activations in `vdpbf16ps` (fp32 accumulation); `MTP_TRAIN_CPU_BF16_ACTIVATIONS=0` keeps them fp32.
 """
 
 from __future__ import annotations
@@ -23,17 +26,37 @@ ENV_SWITCH = "MTP_TRAIN_CPU_KERNELS"
 _state: dict = {}
 
 
+_AVX2 = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
+_AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
+# variant -> (CPU flags it needs, compiler flags), best first
+VARIANTS = {
+    "avx512bf16": ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"},
+                   _AVX512 + ["-mavx512bf16"]),
+    "avx512": ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"}, _AVX512),
+    "avx2": ({"avx2", "fma", "f16c"}, _AVX2),
+    "generic": (set(), ["-O3", "-fopenmp"]),
+}
+
+
 def _build_flags() -> tuple[str, list[str]]:
-    """(variant, compiler flags): AVX2 + FMA code where the CPU has them, portable code elsewhere. The variant is part
-    of the extension's name, so a cache shared by machines of different kinds never loads the wrong build.
-    `-fopenmp` compiles ATen's inline `parallel_for` to OpenMP; the `libgomp.so.1` it links resolves to the one torch
-    has loaded already, so the kernels share torch's thread pool (no second runtime competing for the cores)."""
+    """(variant, compiler flags): the best build this CPU's flags allow (AVX-512 with BF16, AVX-512, AVX2 + FMA,
+    portable code), or the one `MTP_TRAIN_CPU_KERNELS=<variant>` asks for (e.g. `avx2` on an AVX-512 machine, to
+    measure the path an AVX2-only CPU takes). The variant is part of the extension's name, so a cache shared by
+    machines of different kinds never loads the wrong build. `-fopenmp` compiles ATen's inline `parallel_for` to
+    OpenMP; the `libgomp.so.1` it links resolves to the one torch has loaded already, so the kernels share torch's
+    thread pool (no second runtime competing for the cores)."""
     from mtp_train.runtime.hardware import cpu_facts
 
     facts = cpu_facts()
-    if facts.is_x86 and {"avx2", "fma", "f16c"} <= set(facts.flags):
-        return "avx2", ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
-    return "generic", ["-O3", "-fopenmp"]
+    cpu_flags = set(facts.flags) if facts.is_x86 else set()
+    usable = [name for name, (needs, _) in VARIANTS.items() if needs <= cpu_flags]
+    requested = os.environ.get(ENV_SWITCH, "1")
+    if requested in VARIANTS:
+        if requested not in usable:
+            missing = sorted(VARIANTS[requested][0] - cpu_flags)
+            raise RuntimeError(f"{ENV_SWITCH}={requested}: this CPU lacks {', '.join(missing)}")
+        return requested, VARIANTS[requested][1]
+    return usable[0], VARIANTS[usable[0]][1]
 
 
 def _ensure_ninja_on_path() -> None:
@@ -59,10 +82,10 @@ def cpu_kernels():
     if os.environ.get(ENV_SWITCH, "1") == "0":
         _state["reason"] = f"{ENV_SWITCH}=0"
         return None
-    variant, flags = _build_flags()
-    name = f"mtp_cpu_kernels_{variant}"
     start = time.perf_counter()
     try:
+        variant, flags = _build_flags()
+        name = f"mtp_cpu_kernels_{variant}"
         from torch.utils.cpp_extension import _get_build_directory, load
 
         _ensure_ninja_on_path()
@@ -82,6 +105,11 @@ def cpu_kernels():
     return _state["ops"]
 
 
+def kernels_variant() -> str | None:
+    """The loaded build's variant (`avx512bf16`, `avx512`, `avx2`, `generic`), None when none is loaded."""
+    return _state.get("variant") if cpu_kernels() is not None else None
+
+
 def unavailable_reason() -> str | None:
     return _state.get("reason")
 
@@ -91,4 +119,5 @@ def kernels_summary() -> str:
     ops = cpu_kernels()
     if ops is None:
         return f"unavailable ({unavailable_reason()})"
-    return f"mtp_cpu ({_state['variant']}), loaded in {_state['load_seconds']:.1f} s"
+    activations = "; bf16 weights meet bf16 activations (vdpbf16ps)" if ops.bf16_activations() else ""
+    return f"mtp_cpu ({_state['variant']}{activations}), loaded in {_state['load_seconds']:.1f} s"
