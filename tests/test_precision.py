@@ -13,6 +13,7 @@ from mtp_train.runtime.hardware import CpuFacts
 from mtp_train.runtime.cpu_decode import DecodeLinear
 from mtp_train.runtime.kernels import cpu_kernels
 from mtp_train.runtime.precision import (
+    Precision,
     apply_decode_weights,
     decode_probe,
     decode_rows_for_bf16,
@@ -193,3 +194,18 @@ def test_env_command_prints_the_facts(capsys):
         assert label in out
     assert main(["env", "--no-measure", "--json"]) == 0
     assert "measured" not in json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["avx2", "native-bf16"])
+def test_on_native_bf16_cpus_verifies_of_up_to_32_rows_stay_on_the_decode_path(monkeypatch, native):
+    """Above the probe's rows a native-bf16 CPU runs bf16 GEMMs, which round differently from the kernels: a verify
+    or a draft tree of more rows than a decode step must still read the decode path (the kernels), or greedy
+    speculative output parts from plain greedy at near-ties. Elsewhere the probe's rows stand."""
+    from mtp_train.runtime import cpu_decode
+    from mtp_train.runtime.cpu_decode import EXACT_VERIFY_ROWS
+
+    monkeypatch.setattr(cpu_decode, "_native_bf16", lambda: native)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32))
+    apply_decode_weights(model, Precision("float32", "bfloat16", 8, "probe: 8 rows"))
+    assert model[0].small.max_rows == (EXACT_VERIFY_ROWS if native else 8)

@@ -26,6 +26,8 @@ from mtp_train.runtime.model import DecoderLayer, apply_rotary
 
 _TREE_ATTENTION = TorchAttention()  # tree batches: the masked attention (see DecoderLayerKernel._attend_tree)
 KERNEL_MAX_ROWS = 16  # the kernels read the weights once per 8 rows; above 16 rows torch's GEMMs win (measured)
+EXACT_VERIFY_ROWS = 32  # bf16 decode weights on a native-bf16 CPU: the kernels serve up to this many rows, so that a
+# verify or a draft tree computes its rows as decode steps do (see precision.apply_decode_weights)
 MAX_QUERY_PER_SEQUENCE = 16  # cached forwards whose sequences each bring at most this many tokens (decode, verify,
 # draft steps) attend over the pages in place, whatever the batch size; longer ones (a cached prefill) keep the model's
 # own attention
