@@ -106,6 +106,40 @@ def test_verify_rows_are_bit_identical_to_decode_steps(ops, tiny_dir):
     assert torch.equal(verify, steps)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_rows_are_bit_identical_to_decode_steps_along_each_path(ops, tiny_dir, dtype):
+    """A draft tree's verify attends over the pages in place with each node's ancestors (`tree_key_tables`), keys in
+    position order as a decode step takes them: every node's logits equal, bit for bit, those of decode steps feeding
+    its path one token at a time (what keeps greedy tree output identical to plain greedy whatever the rounding of
+    the decode path, bf16 activations included)."""
+    from mtp_train.runtime.attention import ancestor_mask
+    from mtp_train.runtime.cpu_decode import tree_key_tables
+
+    model = _kernel_model(tiny_dir, dtype)
+    prompt = torch.randint(2, 96, (13,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens = [7, 11, 13, 17, 19, 23, 29]  # root 7, then nodes 1..6
+    parents = [-1, 0, 0, 1, 1, 4, 2]
+    depths = [0, 1, 1, 2, 2, 3, 2]
+    allocator = PageAllocator(64, page_size=4)
+    cache, seq = model.new_kv_cache(allocator), Sequence(0)
+    model(torch.tensor(prompt), BatchInfo.for_sequences([seq], [len(prompt)], allocator), cache)
+    start = seq.num_cached
+    batch = BatchInfo.for_tree([seq], [[start + d for d in depths]], [ancestor_mask(parents)], allocator)
+    assert tree_key_tables(batch) is not None  # the kernel path, not the torch fallback
+    tree_logits = model(torch.tensor(tokens), batch, cache).logits
+    for node in range(len(tokens)):
+        path, u = [], node
+        while u >= 0:
+            path.insert(0, tokens[u])
+            u = parents[u]
+        fresh_allocator = PageAllocator(64, page_size=4)
+        fresh, fresh_seq = model.new_kv_cache(fresh_allocator), Sequence(0)
+        model(torch.tensor(prompt), BatchInfo.for_sequences([fresh_seq], [len(prompt)], fresh_allocator), fresh)
+        for token in path:
+            step = model(torch.tensor([token]), BatchInfo.for_sequences([fresh_seq], [1], fresh_allocator), fresh)
+        assert torch.equal(tree_logits[node], step.logits[0]), f"node {node}"
+
+
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_greedy_speculative_equals_plain_greedy_through_the_kernels(ops, tiny_dir, k, batch_size):

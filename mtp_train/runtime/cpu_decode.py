@@ -24,7 +24,7 @@ from mtp_train.runtime.attention import BatchInfo, TorchAttention
 from mtp_train.runtime.kernels import cpu_kernels
 from mtp_train.runtime.model import DecoderLayer, apply_rotary
 
-_TREE_ATTENTION = TorchAttention()  # tree batches: the masked attention (see DecoderLayerKernel._attend_tree)
+_TREE_ATTENTION = TorchAttention()  # tree masks the paged kernel cannot take (see DecoderLayerKernel._attend_tree)
 KERNEL_MAX_ROWS = 16  # the kernels read the weights once per 8 rows; above 16 rows torch's GEMMs win (measured)
 EXACT_VERIFY_ROWS = 32  # bf16 decode weights on a native-bf16 CPU: the kernels serve up to this many rows, so that a
 # verify or a draft tree computes its rows as decode steps do (see precision.apply_decode_weights)
@@ -203,18 +203,23 @@ class DecoderLayerKernel:
     def _attend(self, qkv: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
         """RoPE (and q/k norms), the new K/V written to their slots, attention over each sequence's pages in place
         (nothing gathered): [T, (heads + 2 kv_heads) * head_dim] -> [T, heads * head_dim]."""
+        tree_start = tree_keys = None
         if batch.tree_masks is not None:
-            return self._attend_tree(qkv, cos, sin, batch, layer_cache)
+            tables = tree_key_tables(batch)
+            if tables is None:
+                return self._attend_tree(qkv, cos, sin, batch, layer_cache)
+            tree_start, tree_keys = tables
         k_cache, v_cache = layer_cache
         return self.ops.paged_attention(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.positions,
                                         batch.qo_indptr, batch.kv_page_indptr, batch.kv_page_indices, self.num_heads,
                                         self.num_kv_heads, self.scale, self.window, self.q_norm, self.k_norm,
-                                        self.qk_eps)
+                                        self.qk_eps, tree_start, tree_keys)
 
     def _attend_tree(self, qkv: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
-        """A draft tree's forward (verify, head tree steps): the kernel attends causally by position, a tree node
-        must see only its ancestors, so the attention runs in torch with the batch's tree mask (`TorchAttention`);
-        the linears around it stay the kernels'. [T, (heads + 2 kv_heads) * head_dim] -> [T, heads * head_dim]."""
+        """A draft tree's forward whose mask `tree_key_tables` cannot express (a node whose visible tree keys are not
+        its path from the region's first key): the attention runs in torch with the batch's tree mask
+        (`TorchAttention`), the linears around it stay the kernels'. Its rows then differ from decode steps by
+        rounding. [T, (heads + 2 kv_heads) * head_dim] -> [T, heads * head_dim]."""
         T, D = qkv.shape[0], cos.shape[-1]
         H, G = self.num_heads, self.num_kv_heads
         q, k, v = qkv.view(T, H + 2 * G, D).split([H, G, G], dim=1)
@@ -242,6 +247,38 @@ class DecoderLayerKernel:
         h = ops.rms_norm(x, *self.post_norm)
         gate, up = self.gate_up_many(h).chunk(2, dim=-1)  # [T, intermediate] each
         return x + reduce(self.down_many(F.silu(gate).mul_(up)))
+
+
+def tree_key_tables(batch: BatchInfo) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A tree batch's mask as the paged kernel takes it: per sequence the first position of its tree region
+    (`tree_start` [B] int64), and per token the cache index of the key at each position from there to its own
+    (`tree_keys` [T, width] int64: its ancestors and itself, in position order, -1 past it). None when a node's
+    visible tree keys do not form its path from the region's first key (the torch attention then applies the mask).
+    Computed once per batch (every layer shares it)."""
+    cached = getattr(batch, "_tree_key_tables", False)
+    if cached is not False:
+        return cached
+    starts, rows = [], []
+    positions = batch.positions.tolist()
+    qo = batch.qo_indptr.tolist()
+    tables = None
+    for b, mask in enumerate(batch.tree_masks):
+        width = int(mask.shape[1])
+        start = batch.kv_lens[b] - width  # the region's first cache index: its first key's position
+        starts.append(start)
+        for r, allowed in enumerate(mask.tolist()):
+            path = [start + j for j, seen in enumerate(allowed) if seen]
+            if positions[qo[b] + r] != start + len(path) - 1:
+                batch._tree_key_tables = None
+                return None
+            rows.append(path)
+    width = max(len(path) for path in rows)
+    keys = torch.full((len(rows), width), -1, dtype=torch.long)
+    for t, path in enumerate(rows):
+        keys[t, :len(path)] = torch.tensor(path, dtype=torch.long)
+    tables = (torch.tensor(starts, dtype=torch.long), keys)
+    batch._tree_key_tables = tables
+    return tables
 
 
 def apply_decode_path(model: nn.Module, dtype: torch.dtype, max_rows: int) -> nn.Module:

@@ -661,7 +661,8 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
                            const at::Tensor& positions, const at::Tensor& qo_indptr, const at::Tensor& page_indptr,
                            const at::Tensor& page_indices, int64_t num_heads, int64_t num_kv_heads, double scale,
                            int64_t window, const c10::optional<at::Tensor>& q_norm,
-                           const c10::optional<at::Tensor>& k_norm, double norm_eps) {
+                           const c10::optional<at::Tensor>& k_norm, double norm_eps,
+                           const c10::optional<at::Tensor>& tree_start, const c10::optional<at::Tensor>& tree_keys) {
   check_activations(qkv, "qkv");
   TORCH_CHECK(qkv.is_contiguous(), "qkv must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
@@ -687,6 +688,41 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * page_size;
+  // Draft trees: a node at position p sees the keys of positions < tree_start[b] (its sequence's cached prefix) and,
+  // for positions tree_start[b] .. p, its ancestors and itself: tree_keys[t, q - tree_start[b]] is the sequence's
+  // cache index of the key standing at position q for token t. Keys are taken in position order and chunked by
+  // position exactly as for a decode step at p, so a node's row is bit-identical to the decode step that would
+  // compute it once its path is accepted.
+  const bool tree = tree_start.has_value() && tree_start->defined();
+  const int64_t* tree_start_ptr = nullptr;
+  const int64_t* tree_keys_ptr = nullptr;
+  int64_t tree_width = 0;
+  if (tree) {
+    TORCH_CHECK(tree_keys.has_value() && tree_keys->defined(), "tree_start needs tree_keys");
+    TORCH_CHECK(tree_start->scalar_type() == at::kLong && tree_keys->scalar_type() == at::kLong &&
+                    tree_start->is_contiguous() && tree_keys->is_contiguous() && tree_keys->dim() == 2 &&
+                    tree_keys->size(0) == T && tree_start->numel() == qo_indptr.numel() - 1,
+                "tree_start: int64 [B]; tree_keys: int64 [T, depth]");
+    tree_start_ptr = tree_start->data_ptr<int64_t>();
+    tree_keys_ptr = tree_keys->data_ptr<int64_t>();
+    tree_width = tree_keys->size(1);
+    const int32_t* qo_check = qo_indptr.data_ptr<int32_t>();
+    const int32_t* pind_check = page_indptr.data_ptr<int32_t>();
+    for (int64_t b = 0; b + 1 < qo_indptr.numel(); ++b) {
+      const int64_t region = tree_start_ptr[b];
+      if (region < 0) continue;
+      const int64_t capacity = (pind_check[b + 1] - pind_check[b]) * page_size;
+      for (int64_t t = qo_check[b]; t < qo_check[b + 1]; ++t) {
+        TORCH_CHECK(pos[t] >= region && pos[t] - region < tree_width, "token ", t, " at position ", pos[t],
+                    " is outside its tree region from ", region);
+        for (int64_t q = region; q <= pos[t]; ++q) {
+          const int64_t index = tree_keys_ptr[t * tree_width + (q - region)];
+          TORCH_CHECK(index >= region && index < capacity, "tree_keys[", t, ", ", q - region, "] = ", index,
+                      ": not a cache index of the tree region");
+        }
+      }
+    }
+  }
 
   // 1. rotate q and k of every new token, write k and v into the cache.
   for (int64_t t = 0; t < T; ++t) {
@@ -747,7 +783,7 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
   at::parallel_for(0, task_start[B], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> row_lo, row_hi;
-    std::vector<const float*> k_rows(kKeyChunk), v_rows(kKeyChunk);
+    std::vector<const float*> k_rows(kKeyChunk), v_rows(kKeyChunk), row_k, row_v;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
       const int64_t c = task - task_start[b];
@@ -789,6 +825,23 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
         v_rows[p - key_lo] = vc + slot_of(p) * slot_floats;
       }
       scores.assign(rows * kKeyChunk, 0.f);
+      // A tree node's own key rows where the chunk reaches its sequence's tree region (its ancestors'), else the
+      // chunk's shared ones.
+      const int64_t region = tree ? tree_start_ptr[b] : -1;
+      const bool tree_chunk = region >= 0 && region < key_hi;
+      if (tree_chunk) {
+        row_k.assign(n_q * kKeyChunk, nullptr);
+        row_v.assign(n_q * kKeyChunk, nullptr);
+        for (int64_t r = 0; r < n_q; ++r)
+          for (int64_t i = row_lo[r]; i < row_hi[r]; ++i) {
+            const int64_t q = key_lo + i;
+            const int64_t index = q < region ? q : tree_keys_ptr[(t0 + r) * tree_width + (q - region)];
+            row_k[r * kKeyChunk + i] = kc + slot_of(index) * slot_floats;
+            row_v[r * kKeyChunk + i] = vc + slot_of(index) * slot_floats;
+          }
+      }
+      auto keys_of = [&](int64_t r) { return tree_chunk ? row_k.data() + r * kKeyChunk : k_rows.data(); };
+      auto values_of = [&](int64_t r) { return tree_chunk ? row_v.data() + r * kKeyChunk : v_rows.data(); };
       // Scores, KV head by KV head: the group's query rows meet each key row while it sits in L1.
       for (int64_t h = 0; h < H; ++h) {
         const int64_t kv_offset = (h / group) * D;
@@ -796,7 +849,7 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
           if (row_hi[r] <= row_lo[r]) continue;
           const float* q_row = qkv_ptr + (t0 + r) * width + h * D;
           float* row = scores.data() + (h * n_q + r) * kKeyChunk;
-          key_dots(q_row, k_rows.data(), kv_offset, D, row_lo[r], row_hi[r], scale_f, row);
+          key_dots(q_row, keys_of(r), kv_offset, D, row_lo[r], row_hi[r], scale_f, row);
         }
       }
       for (int64_t h = 0; h < H; ++h)
@@ -808,7 +861,7 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
           out[D] = max_value;
           out[D + 1] = row_hi[r] > row_lo[r] ? exp_minus_max(row + row_lo[r], row_hi[r] - row_lo[r], max_value) : 0.f;
           // exp-weighted sum of the row's V rows, keys in order, accumulated in registers
-          weighted_sum(row, v_rows.data(), (h / group) * D, D, row_lo[r], row_hi[r], out);
+          weighted_sum(row, values_of(r), (h / group) * D, D, row_lo[r], row_hi[r], out);
         }
     }
   });
@@ -854,7 +907,8 @@ TORCH_LIBRARY(mtp_cpu, m) {
       "paged_attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor slot_mapping, "
       "Tensor positions, Tensor qo_indptr, Tensor page_indptr, Tensor page_indices, int num_heads, int num_kv_heads, "
-      "float scale, int window, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=1e-6) -> Tensor");
+      "float scale, int window, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=1e-6, Tensor? tree_start=None, "
+      "Tensor? tree_keys=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtp_cpu, CPU, m) {
