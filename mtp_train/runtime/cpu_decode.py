@@ -261,7 +261,6 @@ def tree_key_tables(batch: BatchInfo) -> tuple[torch.Tensor, torch.Tensor] | Non
     starts, rows = [], []
     positions = batch.positions.tolist()
     qo = batch.qo_indptr.tolist()
-    tables = None
     for b, mask in enumerate(batch.tree_masks):
         width = int(mask.shape[1])
         start = batch.kv_lens[b] - width  # the region's first cache index: its first key's position

@@ -280,10 +280,12 @@ def apply_decode_weights(model: nn.Module, precision: Precision) -> nn.Module:
         if precision.decode_dtype == "bfloat16" and _native_bf16():
             # Above `rows` this CPU runs bf16 GEMMs (`ManyRowLinear`), whose rounding differs from the kernels': a
             # verify or a draft tree of more rows than a decode step would then see other logits than the decode
-            # steps it replaces, and greedy speculative output would part from plain greedy at near-ties (measured:
-            # trees of 9-25 rows matched plain decoding on 4-10 of 10 held-out prompts, logit gaps <= 0.13). The
-            # kernels keep serving up to EXACT_VERIFY_ROWS rows (a verify of k + 1 tokens for up to 8 sequences, a
-            # tree of up to 31 nodes), at about the GEMMs' cost there.
+            # steps it replaces, and greedy speculative output would part from plain greedy at near-ties (with the
+            # torch tree attention, since replaced by the kernel's, trees of 9-25 rows matched plain decoding on 4-10
+            # of 10 held-out prompts, logit gaps <= 0.13). The kernels keep serving up to EXACT_VERIFY_ROWS rows (a
+            # verify of k + 1 tokens for up to 8 sequences, a tree of up to 31 nodes); a plain decode batch of 17-32
+            # sequences reads them too, and is not slower for it (Zen 4, batch 32: 586 decode tok/s on the bf16
+            # dot-product kernels against 469 on the bf16 GEMMs, scripts/bench_decode.py).
             rows = max(rows, EXACT_VERIFY_ROWS)
         return apply_decode_path(model, precision.decode_torch_dtype, rows)
     return apply_decode_path(model, precision.torch_dtype, KERNEL_MAX_ROWS)

@@ -165,9 +165,6 @@ constexpr int64_t kPrefetchBytes = 16384;  // how far ahead of the weight stream
 #define MTP_PREFETCH_HINT _MM_HINT_T0
 #endif
 
-// sums[p][r] = x[r] . (part p of the weight row), for RG activation rows. kU partial sums per dot product hide the
-// FMA latency: 2 for a plain row, 1 for a gate/up pair (whose two dot products are independent already), so that
-// P * RG * kU <= 8 accumulators for groups of 4 rows.
 #if MTP_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16_bits* p) {
@@ -272,6 +269,9 @@ inline void row_dots_dpbf16(const bf16_bits* row, int64_t row_stride, const bf16
 }
 #endif
 
+// sums[p][r] = x[r] . (part p of the weight row), for RG activation rows. kU partial sums per dot product hide the
+// FMA latency: 2 for a plain row, 1 for a gate/up pair (whose two dot products are independent already), so that
+// P * RG * kU <= 8 accumulators for groups of 4 rows.
 template <typename W, int RG, int P>
 inline void row_dots(const W* row, const float* x, int64_t ldx, int64_t K, float sums[P][RG]) {
 #if MTP_AVX512
