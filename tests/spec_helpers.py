@@ -66,3 +66,12 @@ def exact_first_three_tokens(target, prompt: list[int], sampling: SamplingParams
     second = processed_probs(logits[:, 0, n], sampling)  # [V (t1), V]: t2 | t1
     third = processed_probs(logits[:, :, n + 1].reshape(vocab * vocab, vocab), sampling).view(vocab, vocab, vocab)
     return first[:, None, None] * second[:, :, None] * third
+
+
+def node_path(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """The tokens from a draft tree's root to `node` (`parents[i]` < i, -1 for the root)."""
+    path = []
+    while node >= 0:
+        path.insert(0, tokens[node])
+        node = parents[node]
+    return path

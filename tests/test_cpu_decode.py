@@ -21,7 +21,7 @@ from mtp_train.runtime.cpu_decode import (
 )
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model
-from tests.spec_helpers import make_prompts, run_and_compare
+from tests.spec_helpers import make_prompts, node_path, run_and_compare
 from tests.tiny_models import save_tiny_model
 
 
@@ -128,10 +128,7 @@ def test_tree_rows_are_bit_identical_to_decode_steps_along_each_path(ops, tiny_d
     assert tree_key_tables(batch) is not None  # the kernel path, not the torch fallback
     tree_logits = model(torch.tensor(tokens), batch, cache).logits
     for node in range(len(tokens)):
-        path, u = [], node
-        while u >= 0:
-            path.insert(0, tokens[u])
-            u = parents[u]
+        path = node_path(tokens, parents, node)
         fresh_allocator = PageAllocator(64, page_size=4)
         fresh, fresh_seq = model.new_kv_cache(fresh_allocator), Sequence(0)
         model(torch.tensor(prompt), BatchInfo.for_sequences([fresh_seq], [len(prompt)], fresh_allocator), fresh)

@@ -20,6 +20,7 @@ from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model
 from mtp_train.runtime.precision import Precision, apply_decode_weights
 from tests.deepseek_models import ARCHS, save_tiny_deepseek
+from tests.paged_checks import check_decode_token_by_token, check_ragged_verify, check_verify_batch
 
 TOL = 1e-4
 
@@ -88,56 +89,18 @@ def test_latent_cache_holds_the_compressed_latent_only(arch):
 
 def test_decode_token_by_token_through_paged_cache(arch):
     model, _, sequences, references = arch
-    allocator = PageAllocator(32, page_size=4)
-    cache = model.new_kv_cache(allocator)
-    seqs = [Sequence(i) for i in range(len(sequences))]
-    prompt_len = 3
-    flat = torch.tensor([t for ids in sequences for t in ids[:prompt_len]])
-    model(flat, BatchInfo.for_sequences(seqs, [prompt_len] * len(seqs), allocator), cache)
-    for pos in range(prompt_len, max(len(s) for s in sequences)):
-        active = [i for i, s in enumerate(sequences) if pos < len(s)]
-        batch = BatchInfo.for_sequences([seqs[i] for i in active], [1] * len(active), allocator)
-        logits = model(torch.tensor([sequences[i][pos] for i in active]), batch, cache).logits
-        for row, i in enumerate(active):
-            assert (logits[row] - references[i][pos]).abs().max() <= TOL, (i, pos)
-    for seq in seqs:
-        seq.release(allocator)
-    assert allocator.num_free == allocator.num_pages
+    check_decode_token_by_token(model, sequences, references, TOL)
 
 
 @pytest.mark.parametrize("verify_len", [1, 2, 3, 4, 5])
 def test_verify_batches(arch, verify_len):
     model, _, sequences, references = arch
-    ids, other = sequences[0], sequences[2]
-    allocator = PageAllocator(16, page_size=4)
-    cache = model.new_kv_cache(allocator)
-    seqs = [Sequence(0), Sequence(1)]
-    prefix = 6
-    model(torch.tensor(ids[:prefix] + other[:prefix]), BatchInfo.for_sequences(seqs, [prefix, prefix], allocator),
-          cache)
-    batch = BatchInfo.for_sequences(seqs, [verify_len, verify_len], allocator)
-    new = ids[prefix : prefix + verify_len] + other[prefix : prefix + verify_len]
-    logits = model(torch.tensor(new), batch, cache).logits
-    assert (logits[:verify_len] - references[0][prefix : prefix + verify_len]).abs().max() <= TOL
-    assert (logits[verify_len:] - references[2][prefix : prefix + verify_len]).abs().max() <= TOL
-    seqs[0].truncate(prefix + 1, allocator)
-    logits = model(torch.tensor([ids[prefix + 1]]), BatchInfo.for_sequences(seqs[:1], [1], allocator), cache).logits
-    assert (logits[0] - references[0][prefix + 1]).abs().max() <= TOL
+    check_verify_batch(model, sequences, references, verify_len, TOL)
 
 
 def test_ragged_verify_mixed_lengths(arch):
     model, _, sequences, references = arch
-    allocator = PageAllocator(32, page_size=4)
-    cache = model.new_kv_cache(allocator)
-    seqs = [Sequence(i) for i in range(3)]
-    prefixes = [7, 2, 5]
-    model(torch.tensor([t for s, p in zip(sequences, prefixes) for t in s[:p]]),
-          BatchInfo.for_sequences(seqs, prefixes, allocator), cache)
-    counts = [3, 1, 4]
-    new = [t for s, p, c in zip(sequences, prefixes, counts) for t in s[p : p + c]]
-    logits = model(torch.tensor(new), BatchInfo.for_sequences(seqs, counts, allocator), cache).logits
-    expected = torch.cat([r[p : p + c] for r, p, c in zip(references, prefixes, counts)])
-    assert (logits - expected).abs().max() <= TOL
+    check_ragged_verify(model, sequences, references, TOL)
 
 
 def test_long_cached_forward_uses_the_expanded_form_over_cached_latents(arch):

@@ -13,6 +13,7 @@ from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
 from mtp_train.runtime.kernels import cpu_kernels
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model
+from tests.paged_checks import check_decode_token_by_token, check_ragged_verify, check_verify_batch
 from tests.tiny_models import save_tiny_model
 
 TOL = 1e-4
@@ -85,66 +86,18 @@ def test_ragged_prefill_matches_single_sequences(arch):
 
 def test_decode_token_by_token_through_paged_cache(arch):
     model, sequences, references = arch
-    allocator = PageAllocator(32, page_size=4)
-    cache = model.new_kv_cache(allocator)
-    seqs = [Sequence(i) for i in range(len(sequences))]
-    prompt_len = 3
-    flat = torch.tensor([t for ids in sequences for t in ids[:prompt_len]])
-    model(flat, BatchInfo.for_sequences(seqs, [prompt_len] * len(seqs), allocator), cache)
-    # Batched decode: all sequences step together while they have tokens left (ragged ends).
-    for pos in range(prompt_len, max(len(s) for s in sequences)):
-        active = [i for i, s in enumerate(sequences) if pos < len(s)]
-        batch = BatchInfo.for_sequences([seqs[i] for i in active], [1] * len(active), allocator)
-        logits = model(torch.tensor([sequences[i][pos] for i in active]), batch, cache).logits
-        for row, i in enumerate(active):
-            assert (logits[row] - references[i][pos]).abs().max() <= TOL, (i, pos)
-    for seq in seqs:
-        seq.release(allocator)
-    assert allocator.num_free == allocator.num_pages
+    check_decode_token_by_token(model, sequences, references, TOL)
 
 
 @pytest.mark.parametrize("verify_len", [1, 2, 3, 4, 5])
 def test_verify_batches(arch, verify_len):
-    """k new tokens per sequence attend to the cached prefix and causally to each other; then the rejected tail is
-    truncated and decoding continues correctly from the truncated cache."""
     model, sequences, references = arch
-    ids = sequences[0]
-    allocator = PageAllocator(16, page_size=4)
-    cache = model.new_kv_cache(allocator)
-    seqs = [Sequence(0), Sequence(1)]
-    prefix = 6
-    other = sequences[2]
-    model(torch.tensor(ids[:prefix] + other[:prefix]), BatchInfo.for_sequences(seqs, [prefix, prefix], allocator), cache)
-    # Verify batch over two sequences at once (uniform lengths: padded path).
-    batch = BatchInfo.for_sequences(seqs, [verify_len, verify_len], allocator)
-    new = ids[prefix : prefix + verify_len] + other[prefix : prefix + verify_len]
-    logits = model(torch.tensor(new), batch, cache).logits
-    assert (logits[:verify_len] - references[0][prefix : prefix + verify_len]).abs().max() <= TOL
-    assert (logits[verify_len:] - references[2][prefix : prefix + verify_len]).abs().max() <= TOL
-    # Keep only the first accepted token; the next forward must see exactly prefix + 1 tokens.
-    seqs[0].truncate(prefix + 1, allocator)
-    batch = BatchInfo.for_sequences(seqs[:1], [1], allocator)
-    logits = model(torch.tensor([ids[prefix + 1]]), batch, cache).logits
-    assert (logits[0] - references[0][prefix + 1]).abs().max() <= TOL
+    check_verify_batch(model, sequences, references, verify_len, TOL)
 
 
 def test_ragged_verify_mixed_lengths(arch):
-    """Sequences bring different numbers of new tokens in one forward (per-sequence path)."""
     model, sequences, references = arch
-    allocator = PageAllocator(32, page_size=4)
-    cache = model.new_kv_cache(allocator)
-    seqs = [Sequence(i) for i in range(3)]
-    prefixes = [7, 2, 5]
-    model(
-        torch.tensor([t for s, p in zip(sequences, prefixes) for t in s[:p]]),
-        BatchInfo.for_sequences(seqs, prefixes, allocator),
-        cache,
-    )
-    counts = [3, 1, 4]
-    new = [t for s, p, c in zip(sequences, prefixes, counts) for t in s[p : p + c]]
-    logits = model(torch.tensor(new), BatchInfo.for_sequences(seqs, counts, allocator), cache).logits
-    expected = torch.cat([r[p : p + c] for r, p, c in zip(references, prefixes, counts)])
-    assert (logits - expected).abs().max() <= TOL
+    check_ragged_verify(model, sequences, references, TOL)
 
 
 def test_hidden_states_and_aux_layers(arch):

@@ -28,6 +28,7 @@ from tests.spec_helpers import (
     SMALL_VOCAB,
     exact_first_three_tokens,
     make_prompts,
+    node_path,
     run_and_compare,
 )
 
@@ -204,10 +205,7 @@ def test_tree_verify_rows_equal_the_chain_rows_of_each_path(models):
     batch = BatchInfo.for_tree([seq], [[start + d for d in depths]], [ancestor_mask(parents)], allocator)
     tree_logits = target(torch.tensor(tokens), batch, cache).logits
     for node in range(len(tokens)):
-        path, u = [], node
-        while u >= 0:
-            path.insert(0, tokens[u])
-            u = parents[u]
+        path = node_path(tokens, parents, node)
         causal = target(torch.tensor(prompt + path), BatchInfo.without_cache([len(prompt) + len(path)])).logits[-1]
         torch.testing.assert_close(tree_logits[node], causal, rtol=1e-5, atol=1e-5)
     # Accept nodes 1 -> 4 -> 5 (tokens 11, 19, 23): compacted to the 3 positions after the root.
