@@ -254,10 +254,9 @@ def tree_key_tables(batch: BatchInfo) -> tuple[torch.Tensor, torch.Tensor] | Non
     (`tree_start` [B] int64), and per token the cache index of the key at each position from there to its own
     (`tree_keys` [T, width] int64: its ancestors and itself, in position order, -1 past it). None when a node's
     visible tree keys do not form its path from the region's first key (the torch attention then applies the mask).
-    Computed once per batch (every layer shares it)."""
-    cached = getattr(batch, "_tree_key_tables", False)
-    if cached is not False:
-        return cached
+    Computed once per batch, kept in the batch's per-backend plans (every layer shares it)."""
+    if "cpu_tree_keys" in batch._plans:
+        return batch._plans["cpu_tree_keys"]
     starts, rows = [], []
     positions = batch.positions.tolist()
     qo = batch.qo_indptr.tolist()
@@ -268,7 +267,7 @@ def tree_key_tables(batch: BatchInfo) -> tuple[torch.Tensor, torch.Tensor] | Non
         for r, allowed in enumerate(mask.tolist()):
             path = [start + j for j, seen in enumerate(allowed) if seen]
             if positions[qo[b] + r] != start + len(path) - 1:
-                batch._tree_key_tables = None
+                batch._plans["cpu_tree_keys"] = None
                 return None
             rows.append(path)
     width = max(len(path) for path in rows)
@@ -276,7 +275,7 @@ def tree_key_tables(batch: BatchInfo) -> tuple[torch.Tensor, torch.Tensor] | Non
     for t, path in enumerate(rows):
         keys[t, :len(path)] = torch.tensor(path, dtype=torch.long)
     tables = (torch.tensor(starts, dtype=torch.long), keys)
-    batch._tree_key_tables = tables
+    batch._plans["cpu_tree_keys"] = tables
     return tables
 
 
