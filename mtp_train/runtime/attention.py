@@ -81,34 +81,35 @@ class BatchInfo:
     ) -> "BatchInfo":
         """Append `new_token_counts[b]` tokens to each sequence: reserves pages, and (if `advance`) counts the new
         tokens as cached. Use `Sequence.truncate` afterwards to drop rejected tokens."""
+        # Built in Python lists, one tensor per field: a decode step calls this once per forward (the target's, and
+        # a draft head's), and per-sequence tensor ops cost more than the few numbers they compute (~0.2 ms).
         page_size = allocator.page_size
-        positions, slots, page_indptr, page_indices, last_page_len, kv_lens = [], [], [0], [], [], []
+        positions, slots, qo_indptr, page_indptr, page_indices, last_page_len, kv_lens = [], [], [0], [0], [], [], []
         for seq, count in zip(sequences, new_token_counts, strict=True):
             start = seq.num_cached
             end = start + count
             seq.reserve(end, allocator)
-            pages = torch.tensor(seq.pages, dtype=torch.long)
-            new_positions = torch.arange(start, end)
-            positions.append(new_positions)
-            slots.append(pages[new_positions // page_size] * page_size + new_positions % page_size)
+            pages = seq.pages
+            positions.extend(range(start, end))
+            slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
             used_pages = -(-end // page_size)
-            page_indices.extend(seq.pages[:used_pages])
+            page_indices.extend(pages[:used_pages])
+            qo_indptr.append(qo_indptr[-1] + count)
             page_indptr.append(page_indptr[-1] + used_pages)
             last_page_len.append(end - (used_pages - 1) * page_size)
             kv_lens.append(end)
             if advance:
                 seq.num_cached = end
-        counts = torch.tensor(new_token_counts)
         return BatchInfo(
-            positions=torch.cat(positions).to(device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
             q_lens=list(new_token_counts),
             kv_lens=kv_lens,
-            qo_indptr=torch.tensor([0, *counts.cumsum(0).tolist()], dtype=torch.int32),
+            qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32),
             page_size=page_size,
             kv_page_indptr=torch.tensor(page_indptr, dtype=torch.int32),
             kv_page_indices=torch.tensor(page_indices, dtype=torch.int32),
             kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32),
-            slot_mapping=torch.cat(slots).to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         )
 
 
