@@ -67,7 +67,7 @@ def test_eval_report_on_mt_bench_prompts(setup):
         for k in (1, 3):
             r = overall[f"{name}@k={k}"]
             expected = r["tau"] / (curve["verify_over_decode"][str(k + 1)] + k * curve["draft_step_over_decode"])
-            assert r["predicted_speedup"] == pytest.approx(expected, rel=1e-3)
+            assert r["predicted_speedup"] == pytest.approx(expected, rel=1e-3, abs=1e-4)  # the report's 4 decimals
         best = report["best_k"][name]
         assert best["predicted"] == max((1, 3), key=lambda k: overall[f"{name}@k={k}"]["predicted_speedup"])
         assert best["measured"] == max((1, 3), key=lambda k: overall[f"{name}@k={k}"]["speedup"])

@@ -366,7 +366,7 @@ def test_eval_reports_trees_beside_the_chain(tmp_path):
         curve = report["cost_curve"]["mtp"]
         expected = overall[method]["tau"] / (tree["verify_over_decode"]
                                              + tree["depth"] * curve["draft_step_over_decode"])
-        assert tree["predicted_speedup"] == pytest.approx(expected, rel=1e-3)
+        assert tree["predicted_speedup"] == pytest.approx(expected, rel=1e-3, abs=1e-4)  # the report's 4 decimals
     assert report["trees"]["mtp@tree=2x3x7+lookup"]["hybrid"] is True
     best = report["best_tree"]
     assert best["method"] in report["trees"] and "--speculative-eagle-topk" in best["sglang_args"]
