@@ -263,3 +263,50 @@ def test_many_row_gemms_use_bf16_only_on_native_bf16_cpus_with_a_bf16_decode_dty
         assert 0 < error <= 0.03 * reference.abs().max().item()  # bf16 weights and activations
     else:
         assert error <= 1e-5  # no native bf16: the fp32 GEMM
+
+
+def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    allocator = PageAllocator(8, page_size=4)
+    cache, seq = model.new_kv_cache(allocator), Sequence(0)
+    batch = BatchInfo.for_sequences([seq], [len(ids)], allocator)
+    return model(torch.tensor(ids), batch, cache).logits  # [len(ids), vocab]
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["avx2", "native-bf16"])
+def test_prefill_runs_bf16_gemms_only_on_native_bf16_cpus_with_bf16_decode_weights(ops, tiny_dir, monkeypatch,
+                                                                                     native):
+    """A prompt's prefill (more tokens per sequence than the paged kernel takes) keeps the model's own fp32 path,
+    except on a native-bf16 CPU with bf16 decode weights, where its linears are bf16 GEMMs: logits within bf16
+    rounding of fp32."""
+    import mtp_train.runtime.cpu_decode as cpu_decode
+
+    monkeypatch.setattr(cpu_decode, "_native_bf16", lambda: native)
+    reference, bf16 = load_model(tiny_dir, dtype="float32", device="cpu"), _kernel_model(tiny_dir, torch.bfloat16)
+    ids = torch.randint(2, 96, (24,), generator=torch.Generator().manual_seed(3)).tolist()  # 24 > 16 per sequence
+    layer = bf16.model.layers[0].decode_kernel
+    assert layer.bf16_prefill is native
+    allocator = PageAllocator(8, page_size=4)
+    prefill = BatchInfo.for_sequences([Sequence(0)], [len(ids)], allocator, advance=False)
+    assert layer.serves(prefill) is native
+    expected, got = _prefill_logits(reference, ids), _prefill_logits(bf16, ids)
+    error = (got - expected).abs().max().item()
+    if native:
+        assert 0 < error <= 0.03 * expected.abs().max().item()
+    else:  # the model's own fp32 path; only the lm_head reads its bf16 copy (rows <= 16: none here)
+        assert error <= 1e-4 * expected.abs().max().item()
+
+
+def test_greedy_speculative_equals_plain_greedy_with_bf16_prefill(ops, tiny_dir, monkeypatch):
+    """With the bf16-GEMM prefill (native-bf16 CPU, bf16 decode weights) the target's and the head's prefill go
+    through it alike: greedy speculative output is still plain greedy's."""
+    import mtp_train.runtime.cpu_decode as cpu_decode
+
+    monkeypatch.setattr(cpu_decode, "_native_bf16", lambda: True)
+    target = _kernel_model(tiny_dir, torch.bfloat16)
+    torch.manual_seed(0)
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="last_layer"))
+    apply_decode_path(head, torch.bfloat16, KERNEL_MAX_ROWS)
+    assert target.model.layers[0].decode_kernel.bf16_prefill and head.layers[0].decode_kernel.bf16_prefill
+    prompts = [p * 6 for p in make_prompts(3)]  # longer than the paged kernel's 16 tokens per sequence
+    assert min(len(p) for p in prompts) > 16
+    run_and_compare(target, head, prompts, max_new_tokens=10, k=2)

@@ -11,7 +11,8 @@ gate/up with SiLU-and-multiply, the down projection with the residual add. Every
 projection) reads a `SmallRowLinear`: its weight in the decode dtype, multiplied by the same kernel.
 
 The kernels compute each output row independently, in the same order whatever the row count, so verifying k + 1
-tokens gives bit-identical rows to k + 1 decode steps. Prefill (many rows) keeps the model's own path.
+tokens gives bit-identical rows to k + 1 decode steps. Prefill (many rows) keeps the model's own path, except on a CPU
+with native bf16 matmul and bf16 decode weights, where its linears run as bf16 GEMMs (`DecoderLayerKernel.bf16_prefill`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 
 from mtp_train.runtime.attention import BatchInfo, TorchAttention
 from mtp_train.runtime.kernels import cpu_kernels
-from mtp_train.runtime.model import DecoderLayer, apply_rotary
+from mtp_train.runtime.model import DecoderLayer, RMSNorm, apply_rotary
 
 _TREE_ATTENTION = TorchAttention()  # tree masks the paged kernel cannot take (see DecoderLayerKernel._attend_tree)
 KERNEL_MAX_ROWS = 16  # the kernels read the weights once per 8 rows; above 16 rows torch's GEMMs win (measured)
@@ -121,6 +122,22 @@ class DecodeLinear(nn.Linear):
         return self.small(x)
 
 
+class DecodeRMSNorm(RMSNorm):
+    """`RMSNorm` whose fp32 calls of at most `max_rows` rows (outside autograd) run the kernel's `rms_norm` (one call
+    instead of eight small ops; rows computed independently, as the decoder layers' norms): the norms outside the
+    decoder layers, a target's final norm and a draft head's input and output norms, which run once per decode step
+    or draft step. Set by `apply_decode_path`."""
+
+    ops = None
+    max_rows = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= self.max_rows
+                and self.weight.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad)):
+            return self.ops.rms_norm(x.contiguous(), self.weight.detach(), self.eps)
+        return super().forward(x)
+
+
 def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """[inter, K] gate and up weights -> [inter, 2 K], interleaved in chunks of 8 columns (gate[n, 0:8], up[n, 0:8],
     gate[n, 8:16], ...): one sequential stream per output for `linear_silu_mul`."""
@@ -176,13 +193,29 @@ class DecoderLayerKernel:
         return mlp.act is F.silu and mlp.gate_proj.in_features % 8 == 0 and attn.head_dim % 2 == 0
 
     @staticmethod
-    def serves(batch: BatchInfo) -> bool:
-        """Whether this path computes `batch`: a cached forward whose sequences each bring a few tokens."""
-        return batch.uses_cache and (batch.max_q_len <= MAX_QUERY_PER_SEQUENCE or batch.tree_masks is not None)
+    def few_per_sequence(batch: BatchInfo) -> bool:
+        """A cached forward whose sequences each bring a few tokens (decode, verify, draft steps, a draft tree): the
+        paged kernel attends over the pages in place."""
+        return batch.max_q_len <= MAX_QUERY_PER_SEQUENCE or batch.tree_masks is not None
+
+    def serves(self, batch: BatchInfo) -> bool:
+        """Whether this path computes `batch`: a cached forward whose sequences each bring a few tokens, or, on a CPU
+        with native bf16 matmul and bf16 decode weights, any cached forward (a prompt's prefill: its linears as bf16
+        GEMMs, see `_many_rows`)."""
+        return batch.uses_cache and (self.few_per_sequence(batch) or self.bf16_prefill)
+
+    @property
+    def bf16_prefill(self) -> bool:
+        """Prefills run their linears as bf16 GEMMs (`ManyRowLinear` on bf16 copies): on a native-bf16 CPU with bf16
+        decode weights, twice the fp32 GEMM rate. Measured on a Zen 4 (2 threads, SmolLM2, the demo's 10 held-out
+        prompts of 33-177 tokens): see docs/tuning.md."""
+        return self.qkv_many.dtype == torch.bfloat16
 
     def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
+        if not self.few_per_sequence(batch):  # a prefill (bf16_prefill): attention in torch over the cache
+            return self._many_rows(x, cos, sin, batch, layer_cache, self._attend_torch)
         if x.shape[0] > self.max_rows:
-            return self._many_rows(x, cos, sin, batch, layer_cache)
+            return self._many_rows(x, cos, sin, batch, layer_cache, self._attend)
         ops = self.ops
         x = x.contiguous()  # [T, hidden] fp32
         h = ops.rms_norm(x, *self.input_norm) if self.input_norm is not None else x
@@ -207,7 +240,7 @@ class DecoderLayerKernel:
         if batch.tree_masks is not None:
             tables = tree_key_tables(batch)
             if tables is None:
-                return self._attend_tree(qkv, cos, sin, batch, layer_cache)
+                return self._attend_torch(qkv, cos, sin, batch, layer_cache)
             tree_start, tree_keys = tables
         k_cache, v_cache = layer_cache
         return self.ops.paged_attention(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.positions,
@@ -215,11 +248,12 @@ class DecoderLayerKernel:
                                         self.num_kv_heads, self.scale, self.window, self.q_norm, self.k_norm,
                                         self.qk_eps, tree_start, tree_keys)
 
-    def _attend_tree(self, qkv: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
-        """A draft tree's forward whose mask `tree_key_tables` cannot express (a node whose visible tree keys are not
-        its path from the region's first key): the attention runs in torch with the batch's tree mask
-        (`TorchAttention`), the linears around it stay the kernels'. Its rows then differ from decode steps by
-        rounding. [T, (heads + 2 kv_heads) * head_dim] -> [T, heads * head_dim]."""
+    def _attend_torch(self, qkv: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
+        """The attention in torch (`TorchAttention`: the new K/V scattered into their slots, then causal attention,
+        or the batch's tree mask, over each sequence's keys), the linears around it staying the kernels'. For a
+        prefill, and for a draft tree's forward whose mask `tree_key_tables` cannot express (a node whose visible tree
+        keys are not its path from the region's first key; its rows then differ from decode steps by rounding).
+        [T, (heads + 2 kv_heads) * head_dim] -> [T, heads * head_dim]."""
         T, D = qkv.shape[0], cos.shape[-1]
         H, G = self.num_heads, self.num_kv_heads
         q, k, v = qkv.view(T, H + 2 * G, D).split([H, G, G], dim=1)
@@ -233,15 +267,16 @@ class DecoderLayerKernel:
         out = _TREE_ATTENTION.attend(q, k, v.contiguous(), layer_cache, batch, self.scale, self.window or None)
         return out.reshape(T, H * D)
 
-    def _many_rows(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
-        """A decode or verify batch of many sequences: the linears are GEMMs on the layer's fp32 weights, prepacked
-        (at this many rows compute, not the weight stream, is the limit, and the GEMMs beat the few-row kernel), the
-        attention the same in-place paged kernel as above."""
+    def _many_rows(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache, attend) -> torch.Tensor:
+        """A decode or verify batch of many sequences, or a prefill: the linears are GEMMs on the layer's weights,
+        prepacked (at this many rows compute, not the weight stream, is the limit, and the GEMMs beat the few-row
+        kernel; bf16 copies on a native-bf16 CPU with bf16 decode weights), the attention `attend` (the in-place
+        paged kernel above for few tokens per sequence, torch's for a prefill)."""
         ops = self.ops
         x = x.contiguous()  # [T, hidden] fp32
         h = ops.rms_norm(x, *self.input_norm) if self.input_norm is not None else x
         qkv = self.qkv_many(h)  # [T, (heads + 2 kv_heads) * head_dim]
-        attn = self._attend(qkv, cos, sin, batch, layer_cache)  # [T, heads * head_dim]
+        attn = attend(qkv, cos, sin, batch, layer_cache)  # [T, heads * head_dim]
         reduce = self.all_reduce or (lambda partial: partial)
         x = x + reduce(self.o_many(attn))
         h = ops.rms_norm(x, *self.post_norm)
@@ -281,8 +316,9 @@ def tree_key_tables(batch: BatchInfo) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 def apply_decode_path(model: nn.Module, dtype: torch.dtype, max_rows: int) -> nn.Module:
     """Give `model` (a frozen target or head) its decode path: every supported `DecoderLayer` a `DecoderLayerKernel`
-    (when the kernels are loaded, the weights fp32 and on the CPU), every other `nn.Linear` a `SmallRowLinear` copy
-    of its weight in `dtype` for inputs of at most `max_rows` rows. Parameter names and the state dict are unchanged;
+    (when the kernels are loaded, the weights fp32 and on the CPU), every other `RMSNorm` the kernel's norm
+    (`DecodeRMSNorm`) and every other `nn.Linear` a `SmallRowLinear` copy of its weight in `dtype`, for inputs of at
+    most `max_rows` rows. Parameter names and the state dict are unchanged;
     tied weights share one copy."""
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     ops = cpu_kernels() if on_cpu else None
@@ -295,6 +331,11 @@ def apply_decode_path(model: nn.Module, dtype: torch.dtype, max_rows: int) -> nn
                 covered.update(id(m) for m in module.modules())
     elif dtype == next(model.parameters()).dtype:
         return model  # no kernels and no second weight copy: the model's own path is the decode path
+    if ops is not None:
+        for module in model.modules():
+            if type(module) is RMSNorm and id(module) not in covered:
+                module.__class__ = DecodeRMSNorm
+                module.ops, module.max_rows = ops, max_rows
     if hasattr(model, "set_decode_projection"):  # a draft head: its output projection is not an nn.Linear
         model.set_decode_projection(lambda weight: SmallRowLinear(weight, None, dtype, max_rows))
     copies: dict[int, SmallRowLinear] = {}

@@ -13,7 +13,8 @@ Two phases meet the weights differently:
   too: bf16 weights through the CPU decode kernels (fused layers, paged attention in place; they need an fp32 model)
   against torch's native bf16 matmuls. Where the kernels win at 1 row (measured on a Zen 4, 2 cores: a SmolLM2 decode
   step 2.9× faster), the weights are held in fp32 with bf16 decode copies up to the largest row count where they win,
-  as on AVX2-only CPUs; otherwise bf16 everywhere.
+  as on AVX2-only CPUs, and a prompt's prefill still runs bf16 GEMMs (on bf16 copies of the layers' weights,
+  `cpu_decode.DecoderLayerKernel.bf16_prefill`); otherwise bf16 everywhere.
 - Other CPUs (AVX2-only x86 and most laptops): the flags are conclusive for prefill when they are x86 without those
   instructions: bf16 GEMMs fall back to slow kernels there (~6× slower than fp32 on a Zen 3), so fp32. Elsewhere (other
   architectures) a many-row matmul is timed in both dtypes. Decode is always timed: one weight set larger than the
@@ -231,7 +232,8 @@ def resolve_precision(
         return Precision("float32", "bfloat16", rows,
                          reason + f"; decode timed: bf16 weights through the decode kernels "
                          f"{one['bfloat16_torch'] / one['bfloat16']:.1f}× faster than torch's bf16 matmul at 1 row, "
-                         f"faster up to {rows} rows (they need fp32 weights: prefill in fp32)")
+                         f"faster up to {rows} rows (the kernels read an fp32 model: weights held in fp32, "
+                         "prefills as bf16 GEMMs on bf16 copies)")
     if facts.is_x86:
         prefill, reason = "float32", (f"{facts.capability} CPU without avx512_bf16/amx_bf16: bf16 GEMMs fall back to "
                                       "slow kernels, fp32 for many rows")
