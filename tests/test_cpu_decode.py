@@ -310,3 +310,29 @@ def test_greedy_speculative_equals_plain_greedy_with_bf16_prefill(ops, tiny_dir,
     prompts = [p * 6 for p in make_prompts(3)]  # longer than the paged kernel's 16 tokens per sequence
     assert min(len(p) for p in prompts) > 16
     run_and_compare(target, head, prompts, max_new_tokens=10, k=2)
+
+
+def test_norms_outside_the_decoder_layers_use_the_kernel_norm_for_few_rows(ops, tiny_dir):
+    """A target's final norm and a head's norms run the kernel's rms_norm for decode-sized inputs (same values as the
+    module's formula, to float rounding), the module's own formula for many rows and under autograd."""
+    from mtp_train.runtime.cpu_decode import DecodeRMSNorm
+    from mtp_train.runtime.model import RMSNorm
+
+    target = _kernel_model(tiny_dir)
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="random"))
+    apply_decode_path(head, torch.float32, KERNEL_MAX_ROWS)
+    norms = [target.model.norm, head.enorm, head.hnorm, head.norm]
+    assert all(type(norm) is DecodeRMSNorm for norm in norms)
+    assert type(target.model.layers[0].input_layernorm) is RMSNorm  # inside a layer: the layer kernel's own call
+    calls = []
+    original = ops.rms_norm
+    for norm in norms:
+        norm.weight.data.uniform_(0.5, 1.5)
+        norm.ops = type("Ops", (), {"rms_norm": staticmethod(lambda *a: calls.append(1) or original(*a))})
+        for rows, grad in ((1, False), (KERNEL_MAX_ROWS, False), (KERNEL_MAX_ROWS + 1, False), (2, True)):
+            x = torch.randn(rows, norm.weight.shape[0], requires_grad=grad)
+            calls.clear()
+            with torch.set_grad_enabled(grad):
+                got = norm(x)
+            assert len(calls) == (0 if grad or rows > KERNEL_MAX_ROWS else 1)
+            assert torch.allclose(got, RMSNorm.forward(norm, x), atol=1e-6)
