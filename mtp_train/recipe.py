@@ -222,6 +222,10 @@ class TrainSection(_Section):
     step_weight_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of step k = decay**(k-1)")
     feature_loss_weight: float = Field(0.1, ge=0.0)
     kl_loss_weight: float = Field(1.0, ge=0.0)
+    loss_rows: Literal["assistant", "all"] = Field(
+        "assistant", description="rows the losses count: those predicting an assistant token, or all (user and system "
+        "turns too: more supervision from the same cached features; validation counts assistant rows either way)"
+    )
     logits_chunk_size: int = Field(1024, ge=1, description="positions per chunk when computing vocab logits")
     eval_every: int = Field(200, ge=1, description="optimizer steps")
     save_every: int = Field(500, ge=1, description="optimizer steps")

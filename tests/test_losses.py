@@ -213,6 +213,26 @@ def test_unrolled_losses_chunked_equals_full_and_trains():
     assert torch.allclose(grads[0], grads[1], atol=1e-5) and grads[0].abs().sum() > 0
 
 
+def test_loss_rows_all_counts_the_user_turns_rows_too():
+    """`train.loss_rows`: "assistant" counts the rows whose next token is an assistant token, "all" every row in range
+    (the user and system turns of the same cached features)."""
+    from mtp_train.train.trainer import counted_rows
+
+    target = tiny_target()
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, init="random"))
+    lengths = [8, 6]
+    tokens, hidden = torch.randint(0, VOCAB, (14,)), torch.randn(14, D)
+    assistant = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1], dtype=torch.uint8)
+    rows = {}
+    for loss_rows in ("assistant", "all"):
+        mask = counted_rows(assistant, loss_rows)
+        _, metrics = unrolled_losses(head, tokens, hidden, mask, lengths, unroll_steps=1, chunk_size=4)
+        rows[loss_rows] = metrics["step1/rows"]
+    # Step 1, row i reads position i and counts when token i+2 exists (and is an assistant token).
+    assert rows == {"assistant": 4 + 3, "all": (8 - 2) + (6 - 2)}
+    assert torch.equal(counted_rows(assistant, "assistant"), assistant)
+
+
 def test_unrolled_losses_count_their_matmul_flops():
     """metrics["flops"]: per unroll step, the head's linear layers and attention forward and backward (×3) over every
     row, and draft logits, target logits and the logit gradient over the counted rows; 0 for a head that is not a

@@ -207,6 +207,12 @@ class TrainingRun:
                     chunk_size=train.logits_chunk_size)
 
 
+def counted_rows(loss_mask: torch.Tensor, loss_rows: str) -> torch.Tensor:
+    """The mask the losses count rows by (`train.loss_rows`): the assistant tokens (`loss_mask` [T], 1 = assistant),
+    or every token ("all": the user and system turns' rows too, from the same cached features)."""
+    return loss_mask if loss_rows == "assistant" else torch.ones_like(loss_mask)
+
+
 def setup(recipe) -> TrainingRun:
     """Process group (gloo on CPU, NCCL on CUDA; alone too), compute dtype, the target's frozen parts (never the whole
     target: `runtime.frozen_parts`), feature readers, head (draft
@@ -439,8 +445,9 @@ def train_step(run: TrainingRun, data) -> StepResult:
         t0 = time.perf_counter()
         batch = next(data)
         t1 = time.perf_counter()
+        loss_mask = counted_rows(batch.loss_mask, run.recipe.train.loss_rows)
         loss, metrics = unrolled_losses(
-            run.engine, batch.input_ids.to(run.device), batch.hidden.to(run.device), batch.loss_mask.to(run.device),
+            run.engine, batch.input_ids.to(run.device), batch.hidden.to(run.device), loss_mask.to(run.device),
             batch.lengths, **run.loss_kwargs,
             target_argmax=None if batch.target_argmax is None else batch.target_argmax.to(run.device),
             first_inputs=first_step_inputs(batch, run.device),
