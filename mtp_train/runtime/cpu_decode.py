@@ -25,7 +25,7 @@ from mtp_train.runtime.attention import BatchInfo, TorchAttention
 from mtp_train.runtime.kernels import cpu_kernels
 from mtp_train.runtime.model import DecoderLayer, RMSNorm, apply_rotary
 
-_TREE_ATTENTION = TorchAttention()  # tree masks the paged kernel cannot take (see DecoderLayerKernel._attend_tree)
+_TORCH_ATTENTION = TorchAttention()  # prefills, and tree masks the paged kernel cannot take (DecoderLayerKernel._attend_torch)
 KERNEL_MAX_ROWS = 16  # the kernels read the weights once per 8 rows; above 16 rows torch's GEMMs win (measured)
 EXACT_VERIFY_ROWS = 32  # bf16 decode weights on a native-bf16 CPU: the kernels serve up to this many rows, so that a
 # verify or a draft tree computes its rows as decode steps do (see precision.apply_decode_weights)
@@ -264,7 +264,7 @@ class DecoderLayerKernel:
         if self.q_norm is not None:
             q, k = norm(q, self.q_norm), norm(k, self.k_norm)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = _TREE_ATTENTION.attend(q, k, v.contiguous(), layer_cache, batch, self.scale, self.window or None)
+        out = _TORCH_ATTENTION.attend(q, k, v.contiguous(), layer_cache, batch, self.scale, self.window or None)
         return out.reshape(T, H * D)
 
     def _many_rows(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache, attend) -> torch.Tensor:
