@@ -12,7 +12,8 @@ projection) reads a `SmallRowLinear`: its weight in the decode dtype, multiplied
 
 The kernels compute each output row independently, in the same order whatever the row count, so verifying k + 1
 tokens gives bit-identical rows to k + 1 decode steps. Prefill (many rows) keeps the model's own path, except on a CPU
-with native bf16 matmul and bf16 decode weights, where its linears run as bf16 GEMMs (`DecoderLayerKernel.bf16_prefill`).
+with native bf16 matmul and bf16 decode weights, where its linears run as bf16 GEMMs
+(`DecoderLayerKernel.bf16_prefill`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from mtp_train.runtime.attention import BatchInfo, TorchAttention
 from mtp_train.runtime.kernels import cpu_kernels
 from mtp_train.runtime.model import DecoderLayer, RMSNorm, apply_rotary
 
-_TORCH_ATTENTION = TorchAttention()  # prefills, and tree masks the paged kernel cannot take (DecoderLayerKernel._attend_torch)
+_TORCH_ATTENTION = TorchAttention()  # prefills, and tree masks the paged kernel cannot take (`_attend_torch`)
 KERNEL_MAX_ROWS = 16  # the kernels read the weights once per 8 rows; above 16 rows torch's GEMMs win (measured)
 EXACT_VERIFY_ROWS = 32  # bf16 decode weights on a native-bf16 CPU: the kernels serve up to this many rows, so that a
 # verify or a draft tree computes its rows as decode steps do (see precision.apply_decode_weights)
