@@ -39,23 +39,32 @@ def best_seconds(fn, repeats: int, between=None) -> float:
     """Seconds per call of `fn`: 3 warm-up calls, then the best of 3 rounds of `repeats` calls. With `between`, it
     runs (untimed) before each timed call: what runs there in real use (a target forward evicts a draft head's weights
     from the caches)."""
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(3):
-        seconds = 0.0
-        if between is None:
-            start = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            seconds = time.perf_counter() - start
-        else:
-            for _ in range(repeats):
-                between()
+    return interleaved_best_seconds({0: fn}, repeats, rounds=3, between=between)[0]
+
+
+def interleaved_best_seconds(fns: dict, repeats: int, rounds: int = 3, between=None) -> dict:
+    """{key: seconds per call of fns[key]}: 3 warm-up calls each, then `rounds` rounds in which every fn runs
+    `repeats` timed calls in turn; the best round of each. Contenders alternate, so a slow spell of a shared machine
+    (its step times drift by ±20% within seconds) falls on all of them, and the ratios between them hold."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            seconds = 0.0
+            if between is None:
                 start = time.perf_counter()
-                fn()
-                seconds += time.perf_counter() - start
-        best = min(best, seconds / repeats)
+                for _ in range(repeats):
+                    fn()
+                seconds = time.perf_counter() - start
+            else:
+                for _ in range(repeats):
+                    between()
+                    start = time.perf_counter()
+                    fn()
+                    seconds += time.perf_counter() - start
+            best[key] = min(best[key], seconds / repeats)
     return best
 
 
@@ -70,7 +79,7 @@ def target_step_seconds(target, prompt_ids: list[int], n_tokens: list[int], repe
         target(torch.tensor(prompt_ids[:n]), BatchInfo.for_sequences([seq], [n], allocator, advance=False), cache)
         _synchronize(target.device)
 
-    return {n: best_seconds(lambda n=n: step(n), repeats) for n in n_tokens}
+    return interleaved_best_seconds({n: (lambda n=n: step(n)) for n in n_tokens}, repeats, rounds=5)
 
 
 @torch.inference_mode()
