@@ -118,3 +118,18 @@ def test_small_query_attention_equals_sdpa(dtype, tol):
     got = _small_query_attention(q, k, v, mask, 0.3)
     assert got.dtype == dtype
     assert torch.allclose(got.float(), expected, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_rows_from_the_cached_table_equal_the_computed_ones(tmp_path, dtype):
+    """RotaryEmbedding reads cos/sin rows from a table of positions 0..L-1 grown on demand: bit-identical to computing
+    them for the positions asked (`tables`), in any order, across a growth of the table."""
+    model = load_model(save_tiny_model(tmp_path, "llama", seed=3), dtype="float32", device="cpu")
+    rotary = model.rotary
+    for positions in ([0], [3, 1, 2], [255], [256, 7], [1000, 999, 0]):
+        ids = torch.tensor(positions)
+        got, expected = rotary(ids, dtype), rotary.tables(ids, dtype)
+        assert got[0].dtype == dtype and torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert rotary._cache[(torch.device("cpu"), dtype)][0].shape[0] == 1024  # grown to the next power of two
+    empty = rotary(torch.zeros(0, dtype=torch.long), dtype)
+    assert empty[0].shape == (0, model.config.head_dim)

@@ -60,12 +60,28 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: `module.to(bfloat16)` must not round the frequencies.
         self.inv_freq = inv_freq.float()
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [num_tokens, head_dim] computed for `positions` (the definition `forward` caches)."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [num_tokens, head_dim] at `positions`, rows of a table of positions 0..L-1 (L a power of two,
+        grown on demand) kept per device and dtype: a decode step reads two rows instead of running the eight ops of
+        `tables` (each row is computed by the same elementwise ops either way)."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        if positions.numel() == 0:
+            return self.tables(positions, dtype)
+        key = (positions.device, dtype)
+        cached = getattr(self, "_cache", {}).get(key)
+        needed = int(positions.max()) + 1
+        if cached is None or cached[0].shape[0] < needed:
+            length = max(256, 1 << (needed - 1).bit_length())
+            cached = self.tables(torch.arange(length, device=positions.device), dtype)
+            self._cache = {**getattr(self, "_cache", {}), key: cached}
+        return cached[0][positions], cached[1][positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
