@@ -59,6 +59,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf, "cpu")
         # A plain attribute, not a buffer: `module.to(bfloat16)` must not round the frequencies.
         self.inv_freq = inv_freq.float()
+        self._cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # CPU cos/sin tables by dtype
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [num_tokens, head_dim] computed for `positions` (the definition `forward` caches)."""
@@ -67,20 +68,18 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [num_tokens, head_dim] at `positions`, rows of a table of positions 0..L-1 (L a power of two,
-        grown on demand) kept per device and dtype: a decode step reads two rows instead of running the eight ops of
-        `tables` (each row is computed by the same elementwise ops either way)."""
+        """cos and sin [num_tokens, head_dim] at `positions`. On the CPU, rows of a table of positions 0..L-1 (L a power
+        of two, grown on demand) kept per dtype: a decode step reads two rows instead of running the eight small ops
+        of `tables` (each row is computed by the same elementwise ops either way). Elsewhere computed each time (the
+        table's size check would wait for the device)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        if positions.numel() == 0:
+        if positions.device.type != "cpu" or positions.numel() == 0:
             return self.tables(positions, dtype)
-        key = (positions.device, dtype)
-        cached = getattr(self, "_cache", {}).get(key)
+        cached = self._cache.get(dtype)
         needed = int(positions.max()) + 1
         if cached is None or cached[0].shape[0] < needed:
-            length = max(256, 1 << (needed - 1).bit_length())
-            cached = self.tables(torch.arange(length, device=positions.device), dtype)
-            self._cache = {**getattr(self, "_cache", {}), key: cached}
+            cached = self._cache[dtype] = self.tables(torch.arange(max(256, 1 << (needed - 1).bit_length())), dtype)
         return cached[0][positions], cached[1][positions]
 
 
