@@ -272,15 +272,17 @@ def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor(ids), batch, cache).logits  # [len(ids), vocab]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: per-head q/k norms before the rotation
 @pytest.mark.parametrize("native", [False, True], ids=["avx2", "native-bf16"])
-def test_prefill_runs_bf16_gemms_only_on_native_bf16_cpus_with_bf16_decode_weights(ops, tiny_dir, monkeypatch,
-                                                                                     native):
+def test_prefill_runs_bf16_gemms_only_on_native_bf16_cpus_with_bf16_decode_weights(ops, tmp_path, monkeypatch,
+                                                                                     native, arch):
     """A prompt's prefill (more tokens per sequence than the paged kernel takes) keeps the model's own fp32 path,
     except on a native-bf16 CPU with bf16 decode weights, where its linears are bf16 GEMMs: logits within bf16
     rounding of fp32."""
     import mtp_train.runtime.cpu_decode as cpu_decode
 
     monkeypatch.setattr(cpu_decode, "_native_bf16", lambda: native)
+    tiny_dir = save_tiny_model(tmp_path, arch, seed=7)
     reference, bf16 = load_model(tiny_dir, dtype="float32", device="cpu"), _kernel_model(tiny_dir, torch.bfloat16)
     ids = torch.randint(2, 96, (24,), generator=torch.Generator().manual_seed(3)).tolist()  # 24 > 16 per sequence
     layer = bf16.model.layers[0].decode_kernel

@@ -259,8 +259,8 @@ class DecoderLayerKernel:
         H, G = self.num_heads, self.num_kv_heads
         q, k, v = qkv.view(T, H + 2 * G, D).split([H, G, G], dim=1)
 
-        def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.qk_eps))
+        def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # per head, the kernel's norm
+            return self.ops.rms_norm(x.reshape(-1, D).contiguous(), weight, self.qk_eps).view(x.shape)
 
         if self.q_norm is not None:
             q, k = norm(q, self.q_norm), norm(k, self.k_norm)
