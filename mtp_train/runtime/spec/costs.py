@@ -161,7 +161,8 @@ class CostCurve:
 def measure_cost_curves(target, drafts: dict[str, object], prompt_ids: list[int], ks: list[int], repeats: int = 5,
                         draft_repeats: int = 20) -> dict[str, CostCurve]:
     """{draft name: its CostCurve}: the target's decode and verify(k + 1) steps measured once (`repeats` calls per
-    round), each draft's step (`draft_repeats` per round: draft steps are cheap), all after `prompt_ids`."""
+    round), each draft's step (`draft_repeats` per round, a head's each after an untimed target decode step), all
+    after `prompt_ids`."""
     started = time.perf_counter()
     target_seconds = target_step_seconds(target, prompt_ids, sorted({1, *(k + 1 for k in ks)}), repeats)
     target_s = time.perf_counter() - started
