@@ -338,3 +338,56 @@ def test_norms_outside_the_decoder_layers_use_the_kernel_norm_for_few_rows(ops, 
                 got = norm(x)
             assert len(calls) == (0 if grad or rows > KERNEL_MAX_ROWS else 1)
             assert torch.allclose(got, RMSNorm.forward(norm, x), atol=1e-6)
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}),
+    ("qwen2", {}),  # q/k/v biases
+    ("qwen3", {}),  # per-head q/k norms
+    ("mistral", {"sliding_window": 6}),  # a window shorter than the prompt
+], ids=["llama", "qwen2", "qwen3", "mistral-window"])
+def test_the_layer_stack_call_computes_what_the_layers_compute_one_by_one(ops, tmp_path, arch, overrides):
+    """`DecodeStack` runs every decoder layer in one kernel call (`decode_layers`): decode steps, a verify, a draft
+    tree and the aux layers' outputs an EAGLE-3 head reads are bit-identical to the per-layer kernel path, and the
+    forwards it does not serve (a prefill) keep that path."""
+    from mtp_train.runtime.attention import ancestor_mask
+    from mtp_train.runtime.cpu_decode import DecodeStack
+
+    model = _kernel_model(save_tiny_model(tmp_path, arch, seed=3, num_hidden_layers=3, **overrides))
+    stack = model.model.layers.decode_stack
+    assert isinstance(stack, DecodeStack)
+    calls = []
+    original_call = DecodeStack.__call__
+    ids = torch.randint(2, 96, (23,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def run(with_stack: bool):
+        model.model.layers.decode_stack = stack if with_stack else None
+        allocator = PageAllocator(32, page_size=4)
+        cache, seq = model.new_kv_cache(allocator), Sequence(0)
+        outputs = []
+
+        def forward(tokens, batch):
+            out = model(torch.tensor(tokens), batch, cache, return_hidden=True, aux_layers=(0, 2))
+            outputs.extend([out.logits, out.hidden, out.aux_hidden[0], out.aux_hidden[2]])
+
+        forward(ids[:18], BatchInfo.for_sequences([seq], [18], allocator))  # a prefill: the per-layer path
+        for token in ids[18:20]:
+            forward([token], BatchInfo.for_sequences([seq], [1], allocator))  # decode steps
+        forward(ids[20:], BatchInfo.for_sequences([seq], [3], allocator, advance=False))  # a verify of 3
+        start = seq.num_cached
+        tree = BatchInfo.for_tree([seq], [[start, start + 1, start + 1, start + 2]], [ancestor_mask([-1, 0, 0, 1])],
+                                  allocator)
+        forward([5, 6, 7, 8], tree)
+        return outputs
+
+    try:
+        DecodeStack.__call__ = lambda self, *a, **kw: calls.append(a[0].shape[0]) or original_call(self, *a, **kw)
+        with_stack = run(True)
+        without = run(False)
+    finally:
+        DecodeStack.__call__ = original_call
+        model.model.layers.decode_stack = stack
+    assert calls == [1, 1, 3, 4]  # every forward but the prefill (more than KERNEL_MAX_ROWS rows)
+    assert len(with_stack) == len(without)
+    for i, (a, b) in enumerate(zip(with_stack, without)):
+        assert torch.equal(a, b), f"output {i}"

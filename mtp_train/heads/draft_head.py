@@ -32,7 +32,7 @@ from mtp_train.runtime.attention import AttentionBackend, BatchInfo, TorchAttent
 from mtp_train.runtime.config import ModelConfig
 from mtp_train.runtime.frozen_parts import FrozenParts, frozen_parts_of
 from mtp_train.runtime.kv_cache import KVCache, PageAllocator
-from mtp_train.runtime.model import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
+from mtp_train.runtime.model import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding, run_decoder_layers
 
 
 @dataclass
@@ -299,8 +299,7 @@ class DraftHead(nn.Module):
         else:
             x = self.fc(torch.cat((embeds, hidden), dim=-1))  # [T, d]
         cos, sin = self._rope(batch.positions, x.dtype)
-        for j, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, kv_cache.layers[j] if kv_cache is not None else None, self.backend)
+        x, _ = run_decoder_layers(self.layers, x, cos, sin, batch, kv_cache, self.backend)
         return self.norm(x) if self.norm is not None else x
 
     def readout(self, out: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ bf16 path reads the weights once per row group and costs 2.9× more at 4 rows th
 layer between them (~30 ms of a 60 ms step). Here each `DecoderLayer` gets a `DecoderLayerKernel`: its weights packed
 once in the decode dtype (q/k/v fused, gate/up interleaved) and seven kernel calls per layer — RMSNorm, the fused QKV
 projection, RoPE + cache write + paged attention in place, the output projection with the residual add, RMSNorm,
-gate/up with SiLU-and-multiply, the down projection with the residual add. Every other linear (lm_head, a head's input
+gate/up with SiLU-and-multiply, the down projection with the residual add; and a model's whole list of layers runs
+those calls from C++ in one kernel call per forward (`DecodeStack`). Every other linear (lm_head, a head's input
 projection) reads a `SmallRowLinear`: its weight in the decode dtype, multiplied by the same kernel.
 
 The kernels compute each output row independently, in the same order whatever the row count, so verifying k + 1
@@ -227,6 +228,14 @@ class DecoderLayerKernel:
         mlp_hidden = ops.linear_silu_mul(h, self.gate_up, self.gate_up_bias)  # [T, intermediate]
         return self._project_add(mlp_hidden, self.down, self.down_bias, x)  # + residual
 
+    def stack_params(self) -> tuple[list[torch.Tensor | None], list[float]]:
+        """This layer's tensors and epsilons in the order the kernel's `decode_layers` reads them (see there)."""
+        input_norm, input_eps = self.input_norm if self.input_norm is not None else (None, 0.0)
+        post_norm, post_eps = self.post_norm
+        tensors = [input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, post_norm, self.gate_up, self.gate_up_bias,
+                   self.down, self.down_bias, self.q_norm, self.k_norm]
+        return tensors, [input_eps, post_eps, self.qk_eps]
+
     def _project_add(self, x: torch.Tensor, weight: torch.Tensor, bias, residual: torch.Tensor) -> torch.Tensor:
         """residual + x W^T + b, the residual fused into the kernel; under tensor parallelism the partial products
         are summed over the group first (the bias is held by one rank only)."""
@@ -285,6 +294,54 @@ class DecoderLayerKernel:
         return x + reduce(self.down_many(F.silu(gate).mul_(up)))
 
 
+class DecodeStack:
+    """A model's whole list of decoder layers, every one with a `DecoderLayerKernel`, run by one kernel call
+    (`decode_layers`) for the forwards every layer's kernel path would take (a few rows, a few per sequence, the tree
+    mask expressible): the same seven kernel calls per layer, made from C++, so its rows are bit-identical to the
+    per-layer path, without ~7 op dispatches and the Python around them per layer. Measured on a Zen 4 (2 threads,
+    SmolLM2, 30 layers): see docs/tuning.md. Not built under tensor parallelism (the layers' partial sums are
+    all-reduced from Python) or when the layers' head layout differs."""
+
+    def __init__(self, kernels: list[DecoderLayerKernel]):
+        first = kernels[0]
+        self.ops, self.max_rows = first.ops, first.max_rows
+        self.num_heads, self.num_kv_heads, self.scale = first.num_heads, first.num_kv_heads, first.scale
+        self.params: list[torch.Tensor | None] = []
+        self.eps: list[float] = []
+        for kernel in kernels:
+            tensors, eps = kernel.stack_params()
+            self.params.extend(tensors)
+            self.eps.extend(eps)
+        self.windows = [kernel.window for kernel in kernels]
+
+    @staticmethod
+    def build(layers) -> "DecodeStack | None":
+        """The stack for `layers` (a model's `DecoderLayer`s, in order), or None when one of them has no kernel,
+        any is tensor-parallel, or their attention shapes differ."""
+        kernels = [getattr(layer, "decode_kernel", None) for layer in layers]
+        if not kernels or any(k is None or k.all_reduce is not None for k in kernels):
+            return None
+        shapes = {(k.num_heads, k.num_kv_heads, k.scale, k.max_rows) for k in kernels}
+        return DecodeStack(kernels) if len(shapes) == 1 else None
+
+    def serves(self, x: torch.Tensor, batch: BatchInfo) -> bool:
+        """The forwards every layer's kernel computes in place: cached, at most `max_rows` rows, a few per sequence,
+        and a tree mask (if any) the paged kernel takes."""
+        return (batch.uses_cache and x.shape[0] <= self.max_rows and DecoderLayerKernel.few_per_sequence(batch)
+                and (batch.tree_masks is None or tree_key_tables(batch) is not None))
+
+    def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, kv_cache,
+                 keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """[T, hidden] fp32 -> (the last layer's output [T, hidden], {layer id: its output} for the layers in
+        `keep`)."""
+        tree_start, tree_keys = tree_key_tables(batch) if batch.tree_masks is not None else (None, None)
+        outputs = self.ops.decode_layers(
+            x, self.params, self.eps, [k for k, _ in kv_cache.layers], [v for _, v in kv_cache.layers], cos, sin,
+            batch.slot_mapping, batch.positions, batch.qo_indptr, batch.kv_page_indptr, batch.kv_page_indices,
+            self.num_heads, self.num_kv_heads, self.scale, self.windows, tree_start, tree_keys, sorted(keep))
+        return outputs[0], dict(zip(sorted(keep), outputs[1:]))
+
+
 def tree_key_tables(batch: BatchInfo) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A tree batch's mask as the paged kernel takes it: per sequence the first position of its tree region
     (`tree_start` [B] int64), and per token the cache index of the key at each position from there to its own
@@ -330,6 +387,9 @@ def apply_decode_path(model: nn.Module, dtype: torch.dtype, max_rows: int) -> nn
                     DecoderLayerKernel.supports(module):
                 module.decode_kernel = DecoderLayerKernel(module, dtype, max_rows, ops)
                 covered.update(id(m) for m in module.modules())
+        for module in model.modules():  # a model's (or head's) list of decoder layers: one kernel call per forward
+            if isinstance(module, nn.ModuleList) and module and all(isinstance(m, DecoderLayer) for m in module):
+                module.decode_stack = DecodeStack.build(module)
     elif dtype == next(model.parameters()).dtype:
         return model  # no kernels and no second weight copy: the model's own path is the decode path
     if ops is not None:

@@ -158,6 +158,25 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def run_decoder_layers(layers: nn.ModuleList, x: torch.Tensor, cos, sin, batch: BatchInfo, kv_cache: KVCache | None,
+                       backend: AttentionBackend, aux_layers: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """x through `layers` in order -> (the last layer's output, {layer id: output} for the ids in `aux_layers`).
+
+    `layers.decode_stack`, when set from outside (`runtime/cpu_decode.py`), runs the whole list in one kernel call
+    for the forwards it serves (few rows over a KV cache), with the rows the layers' own decode kernels compute."""
+    stack = layers.__dict__.get("decode_stack")
+    if stack is not None and kv_cache is not None and stack.serves(x, batch):
+        return stack(x, cos, sin, batch, kv_cache, tuple(j for j in aux_layers if j < len(layers)))
+    aux_hidden: dict[int, torch.Tensor] = {}
+    for layer_id, layer in enumerate(layers):
+        layer_cache = kv_cache.layers[layer_id] if kv_cache is not None else None
+        x = layer(x, cos, sin, batch, layer_cache, backend)
+        if layer_id in aux_layers:
+            aux_hidden[layer_id] = x
+    return x, aux_hidden
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor | None  # [num_selected, vocab] fp32, rows chosen by `logits_indices` (all rows if None)
@@ -240,12 +259,7 @@ class CausalLM(nn.Module):
     ) -> ForwardOutput:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rotary(batch.positions, x.dtype)
-        aux_hidden: dict[int, torch.Tensor] = {}
-        for layer_id, layer in enumerate(self.model.layers):
-            layer_cache = kv_cache.layers[layer_id] if kv_cache is not None else None
-            x = layer(x, cos, sin, batch, layer_cache, self.backend)
-            if layer_id in aux_layers:
-                aux_hidden[layer_id] = x
+        x, aux_hidden = run_decoder_layers(self.model.layers, x, cos, sin, batch, kv_cache, self.backend, aux_layers)
         hidden = self.model.norm(x)
         logits = None
         if compute_logits:

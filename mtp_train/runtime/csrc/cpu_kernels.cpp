@@ -896,6 +896,55 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
   return out;
 }
 
+// A stack of decoder layers' few-row cached forward in one call: per layer exactly the seven kernel calls the
+// per-layer path makes from Python (RMSNorm, QKV, paged attention, output projection + residual, RMSNorm, gate/up +
+// SiLU-and-multiply, down projection + residual), so its rows are bit-identical to it; what it saves is the ~7 op
+// dispatches and the Python between them per layer (a decode step of a 30-layer model crosses into C++ once instead
+// of ~210 times).
+//
+// params: kStackParams optional tensors per layer, in this order: input norm weight (None: no input norm), fused
+// q/k/v weight, its bias, output projection weight, its bias, post-attention norm weight, packed gate_up weight
+// (see linear_silu_mul), its bias [inter, 2], down projection weight, its bias, q_norm and k_norm weights (None when
+// the model has none). eps: per layer (input norm, post-attention norm, q/k norm). windows: per layer sliding window
+// (0 = none). keep: layers (0-based) whose outputs are returned after the last one's.
+constexpr int64_t kStackParams = 12;
+
+std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c10::optional<at::Tensor>>& params,
+                                      at::ArrayRef<double> eps, at::TensorList k_caches, at::TensorList v_caches,
+                                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+                                      const at::Tensor& positions, const at::Tensor& qo_indptr,
+                                      const at::Tensor& page_indptr, const at::Tensor& page_indices, int64_t num_heads,
+                                      int64_t num_kv_heads, double scale, at::IntArrayRef windows,
+                                      const c10::optional<at::Tensor>& tree_start,
+                                      const c10::optional<at::Tensor>& tree_keys, at::IntArrayRef keep) {
+  const int64_t num_layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kStackParams, "params: expected ",
+              kStackParams, " per layer for ", num_layers, " layers, got ", params.size());
+  TORCH_CHECK(static_cast<int64_t>(eps.size()) == 3 * num_layers && static_cast<int64_t>(windows.size()) == num_layers &&
+                  static_cast<int64_t>(v_caches.size()) == num_layers,
+              "eps (3 per layer), windows and v_caches must cover every layer");
+  auto param = [&](int64_t layer, int64_t slot) -> c10::optional<at::Tensor> {
+    return params.get(layer * kStackParams + slot);
+  };
+  std::vector<at::Tensor> outputs(1);
+  at::Tensor x = x_in.contiguous();
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const c10::optional<at::Tensor> input_norm = param(l, 0);
+    const at::Tensor h = input_norm.has_value() ? rms_norm(x, *input_norm, eps[3 * l]) : x;
+    at::Tensor qkv = linear(h, *param(l, 1), param(l, 2), c10::nullopt);
+    const at::Tensor attn = paged_attention(qkv, cos, sin, k_caches[l], v_caches[l], slot_mapping, positions,
+                                            qo_indptr, page_indptr, page_indices, num_heads, num_kv_heads, scale,
+                                            windows[l], param(l, 10), param(l, 11), eps[3 * l + 2], tree_start,
+                                            tree_keys);
+    x = linear(attn, *param(l, 3), param(l, 4), x);  // + residual
+    const at::Tensor mlp_hidden = linear_silu_mul(rms_norm(x, *param(l, 5), eps[3 * l + 1]), *param(l, 6), param(l, 7));
+    x = linear(mlp_hidden, *param(l, 8), param(l, 9), x);  // + residual
+    if (std::find(keep.begin(), keep.end(), l) != keep.end()) outputs.push_back(x);
+  }
+  outputs[0] = x;
+  return outputs;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mtp_cpu, m) {
@@ -909,6 +958,11 @@ TORCH_LIBRARY(mtp_cpu, m) {
       "Tensor positions, Tensor qo_indptr, Tensor page_indptr, Tensor page_indices, int num_heads, int num_kv_heads, "
       "float scale, int window, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=1e-6, Tensor? tree_start=None, "
       "Tensor? tree_keys=None) -> Tensor");
+  m.def(
+      "decode_layers(Tensor x, Tensor?[] params, float[] eps, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+      "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor positions, Tensor qo_indptr, Tensor page_indptr, "
+      "Tensor page_indices, int num_heads, int num_kv_heads, float scale, int[] windows, Tensor? tree_start=None, "
+      "Tensor? tree_keys=None, int[] keep=[]) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(mtp_cpu, CPU, m) {
@@ -916,4 +970,5 @@ TORCH_LIBRARY_IMPL(mtp_cpu, CPU, m) {
   m.impl("linear_silu_mul", &linear_silu_mul);
   m.impl("rms_norm", &rms_norm);
   m.impl("paged_attention", &paged_attention);
+  m.impl("decode_layers", &decode_layers);
 }
