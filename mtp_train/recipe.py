@@ -244,6 +244,12 @@ class EvalSection(_Section):
     num_speculative_tokens: list[int] = Field(default_factory=lambda: [1, 2, 3], min_length=1)
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    head_decode_dtype: Literal["auto", "target", "int8"] = Field(
+        "auto",
+        description="weights a head's draft steps read: target (the target's decode weights) | int8 (weight-only, "
+        "a scale per row, through the CPU decode kernels: half of bf16's bytes; the verify keeps the output exact) "
+        "| auto (int8 where the CPU kernels serve the head, else target)",
+    )
     cost_curve: bool = Field(True, description="measure decode/verify/draft-step costs after the runs (a few "
                              "seconds) and report the speedup they predict per k (best k by cost curve)")
     batch_sizes: list[int] = Field(

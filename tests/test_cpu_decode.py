@@ -65,6 +65,33 @@ def test_linear_silu_mul_matches_torch(ops, rows, with_bias):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("in_features", [64, 576, 77])
+def test_int8_weights_compute_the_dequantized_linear(ops, rows, in_features):
+    """Weight-only int8 (`quantize_rows`: one scale per output row): the kernel's product is the fp32 product with the
+    dequantized weight (the activations stay fp32), for the plain linear and for packed gate/up with SiLU."""
+    from mtp_train.runtime.cpu_decode import quantize_rows
+
+    gen = torch.Generator().manual_seed(rows + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight, bias = torch.randn(200, in_features, generator=gen), torch.randn(200, generator=gen)
+    residual = torch.randn(rows, 200, generator=gen)
+    quantized, scale = quantize_rows(weight)
+    assert quantized.dtype == torch.int8 and scale.shape == (200,)
+    dequantized = quantized.double() * scale.double()[:, None]
+    assert (dequantized - weight.double()).abs().max() <= 0.5 * scale.max() + 1e-7  # round to nearest
+    expected = F.linear(x.double(), dequantized) + bias + residual
+    torch.testing.assert_close(ops.linear(x, quantized, bias, residual, scale), expected.float(), rtol=1e-5, atol=1e-4)
+    if in_features % 8 == 0:
+        gate, up = torch.randn(40, in_features, generator=gen), torch.randn(40, in_features, generator=gen)
+        (gate_q, gate_scale), (up_q, up_scale) = quantize_rows(gate), quantize_rows(up)
+        expected = F.silu(F.linear(x.double(), gate_q.double() * gate_scale.double()[:, None])) * F.linear(
+            x.double(), up_q.double() * up_scale.double()[:, None])
+        got = ops.linear_silu_mul(x, pack_gate_up(gate_q, up_q).contiguous(), None,
+                                  torch.stack((gate_scale, up_scale), dim=1).contiguous())
+        torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-4)
+
+
 def test_rms_norm_matches_transformers_formula(ops):
     x, weight = torch.randn(3, 96) * 4, torch.randn(96)
     expected = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
@@ -76,6 +103,12 @@ def test_bad_inputs_are_refused_with_their_reason(ops):
         ops.linear(torch.randn(2, 8), torch.randn(4, 16), None, None)
     with pytest.raises(RuntimeError, match="float32"):
         ops.linear(torch.randn(2, 8).double(), torch.randn(4, 8), None, None)
+    with pytest.raises(RuntimeError, match="int8 weights need their per-row scale"):
+        ops.linear(torch.randn(2, 8), torch.ones(4, 8, dtype=torch.int8), None, None)
+    with pytest.raises(RuntimeError, match="a scale goes with int8 weights only"):
+        ops.linear(torch.randn(2, 8), torch.randn(4, 8), None, None, torch.ones(4))
+    with pytest.raises(RuntimeError, match="scale must be float32 with 4 elements"):
+        ops.linear(torch.randn(2, 8), torch.ones(4, 8, dtype=torch.int8), None, None, torch.ones(3))
 
 
 # ---- the decode path on a tiny Llama -------------------------------------------------------------------------------
@@ -346,14 +379,15 @@ def test_norms_outside_the_decoder_layers_use_the_kernel_norm_for_few_rows(ops, 
     ("qwen3", {}),  # per-head q/k norms
     ("mistral", {"sliding_window": 6}),  # a window shorter than the prompt
 ], ids=["llama", "qwen2", "qwen3", "mistral-window"])
-def test_the_layer_stack_call_computes_what_the_layers_compute_one_by_one(ops, tmp_path, arch, overrides):
+@pytest.mark.parametrize("weights", [torch.float32, torch.int8], ids=["fp32", "int8"])
+def test_the_layer_stack_call_computes_what_the_layers_compute_one_by_one(ops, tmp_path, arch, overrides, weights):
     """`DecodeStack` runs every decoder layer in one kernel call (`decode_layers`): decode steps, a verify, a draft
     tree and the aux layers' outputs an EAGLE-3 head reads are bit-identical to the per-layer kernel path, and the
     forwards it does not serve (a prefill) keep that path."""
     from mtp_train.runtime.attention import ancestor_mask
     from mtp_train.runtime.cpu_decode import DecodeStack
 
-    model = _kernel_model(save_tiny_model(tmp_path, arch, seed=3, num_hidden_layers=3, **overrides))
+    model = _kernel_model(save_tiny_model(tmp_path, arch, seed=3, num_hidden_layers=3, **overrides), weights)
     stack = model.model.layers.decode_stack
     assert isinstance(stack, DecodeStack)
     calls = []
@@ -391,3 +425,42 @@ def test_the_layer_stack_call_computes_what_the_layers_compute_one_by_one(ops, t
     assert len(with_stack) == len(without)
     for i, (a, b) in enumerate(zip(with_stack, without)):
         assert torch.equal(a, b), f"output {i}"
+
+
+def test_an_int8_head_drafts_through_the_kernels_and_greedy_output_stays_the_targets(ops, tiny_dir):
+    """`head_decode_dtype` int8 (`apply_head_decode_weights`): the head's layer, input projection and draft
+    projection hold int8 weights with row scales; the target's verify keeps greedy speculative output identical to
+    plain greedy; `auto` picks int8 where the kernels serve the head, `target` keeps the target's decode weights."""
+    from mtp_train.runtime.precision import Precision, apply_head_decode_weights
+
+    target = _kernel_model(tiny_dir, torch.bfloat16)
+    precision = Precision("float32", "bfloat16", KERNEL_MAX_ROWS, "test")
+    config = HeadConfig.for_target(target.config, kind="mtp", init="last_layer")
+    heads = {}
+    for name in ("int8", "auto", "target"):
+        torch.manual_seed(0)
+        heads[name] = DraftHead.from_target(target, config)
+        assert apply_head_decode_weights(heads[name], precision, name) == ("bfloat16" if name == "target" else "int8")
+    for name, dtype in (("int8", torch.int8), ("auto", torch.int8), ("target", torch.bfloat16)):
+        head = heads[name]
+        assert head.layers[0].decode_kernel.qkv.dtype == dtype and head.eh_proj.small.weight.dtype == dtype
+        assert head._borrowed.decode_projection.weight.dtype == dtype
+    kernel = heads["int8"].layers[0].decode_kernel
+    assert kernel.gate_up_scale.shape == (target.config.intermediate_size, 2)
+    _, stats = run_and_compare(target, heads["int8"], make_prompts(3), max_new_tokens=12, k=2)
+    assert stats.accepted_tokens > 0
+
+
+def test_an_int8_head_is_refused_where_the_kernels_do_not_serve_it(monkeypatch, tiny_dir):
+    from mtp_train.errors import UserError
+    from mtp_train.runtime.precision import Precision, apply_head_decode_weights
+
+    monkeypatch.setattr(kernels, "_state", {"ops": None, "reason": "disabled by the test"})
+    target = load_model(tiny_dir, dtype="float32", device="cpu")
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="random"))
+    precision = Precision("float32", "float32", 0, "test")
+    with pytest.raises(UserError, match="kernels are unavailable .disabled by the test.; use target"):
+        apply_head_decode_weights(head, precision, "int8")
+    assert apply_head_decode_weights(head, precision, "auto") == "float32"  # auto falls back to the target's
+    with pytest.raises(UserError, match="expected one of auto, target, int8"):
+        apply_head_decode_weights(head, precision, "int4")

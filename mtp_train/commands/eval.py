@@ -127,7 +127,8 @@ def run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new
     if layout.is_leader and layout.tensor_parallel > 1:
         print(f"eval: {describe(layout, target.config)}", flush=True)
     tokenizer = load_tokenizer(recipe.target.path)
-    draft = load_draft(target, tokenizer, precision, head=head_dir, draft_model=draft_dir)
+    draft = load_draft(target, tokenizer, precision, head=head_dir, draft_model=draft_dir,
+                       head_decode_dtype=recipe.eval.head_decode_dtype)
     if head_dir:
         method, kind, draft_path = draft.kind, f"head ({draft.kind})", head_dir
     else:

@@ -50,6 +50,9 @@ def register(subparsers) -> None:
                        help="decode speculatively with this smaller model (same tokenizer)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
                    help="draft tokens per step with --head/--draft (1..8, default 3)")
+    p.add_argument("--head-decode-dtype", default="auto", choices=["auto", "target", "int8"],
+                   help="weights the --head's draft steps read (auto: int8 where the CPU decode kernels serve it, "
+                   "else the target's decode weights; the output is the target's either way)")
     p.set_defaults(func=run_generate)
 
 
@@ -149,7 +152,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.head or args.draft:
         from mtp_train.export.load import load_draft
 
-        draft = load_draft(model, tokenizer, precision, head=args.head, draft_model=args.draft)
+        draft = load_draft(model, tokenizer, precision, head=args.head, draft_model=args.draft,
+                           head_decode_dtype=args.head_decode_dtype)
 
     def decode(batch_ids: list[list[int]], on_tokens):
         options = dict(stop_token_ids=stops, seed=args.seed, on_tokens=on_tokens)

@@ -67,6 +67,7 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
         "prompts": prompt_set.source, "num_prompts": len(prompt_set.prompts), "skipped": prompt_set.skipped,
         "settings": {"dtype": precision.dtype, "decode_dtype": precision.decode_dtype,
                      "decode_max_rows": precision.decode_max_rows, "precision_reason": precision.reason,
+                     "head_decode_weights": getattr(draft, "decode_weights", None),
                      "cpu_capability": machine_name(target.device), "batch_size": batch_sizes[0],
                      "batch_sizes": list(batch_sizes),
                      "max_new_tokens": max_new_tokens, "temperature": recipe.eval.temperature,

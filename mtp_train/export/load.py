@@ -71,15 +71,19 @@ def load_any_head(directory: str | os.PathLike[str], target: CausalLM, dtype: to
     return build_head(target, head_config, native, dtype)
 
 
-def load_draft(target: CausalLM, tokenizer, precision, head: str | None = None, draft_model: str | None = None):
+def load_draft(target: CausalLM, tokenizer, precision, head: str | None = None, draft_model: str | None = None,
+               head_decode_dtype: str = "auto"):
     """The draft of speculative decoding over `target` (loaded with `precision`): the head at `head` (a trainer's
-    head/ or any export format), computing like the target (its weights in the compute dtype, few-row matmuls on the
-    decode weights), or the smaller model at `draft_model`, which must share the target's tokenizer."""
+    head/ or any export format), its weights in the target's compute dtype and its draft steps reading the decode
+    weights `head_decode_dtype` names (`precision.apply_head_decode_weights`; the name is kept in the head's
+    `decode_weights`), or the smaller model at `draft_model`, which must share the target's tokenizer."""
     from mtp_train.runtime.loader import load_model, load_tokenizer
-    from mtp_train.runtime.precision import apply_decode_weights
+    from mtp_train.runtime.precision import apply_head_decode_weights
 
     if head:
-        return apply_decode_weights(load_any_head(head, target, dtype=target.dtype), precision)
+        draft = load_any_head(head, target, dtype=target.dtype)
+        draft.decode_weights = apply_head_decode_weights(draft, precision, head_decode_dtype)
+        return draft
     target_vocab, draft_vocab = tokenizer.get_vocab(), load_tokenizer(draft_model).get_vocab()
     if target_vocab != draft_vocab:
         differing = len(set(target_vocab.items()) ^ set(draft_vocab.items()))

@@ -36,13 +36,31 @@ MAX_QUERY_PER_SEQUENCE = 16  # cached forwards whose sequences each bring at mos
 # own attention
 
 
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8, symmetric, one fp32 scale per output row: [N, K] -> (int8 [N, K], scale [N]) with
+    weight ≈ int8 * scale[:, None] (round to nearest; a row's largest magnitude maps to 127)."""
+    weight = weight.detach().float()
+    scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    quantized = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return quantized.contiguous(), scale.contiguous()
+
+
+def decode_weight(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear's weight as the decode kernels read it: (weight in `dtype`, None), or for `torch.int8` the
+    row-quantized weight and its per-row scales (`quantize_rows`)."""
+    if dtype == torch.int8:
+        return quantize_rows(weight)
+    return weight.detach().to(dtype).contiguous(), None
+
+
 class SmallRowLinear:
     """One linear's weight (and bias) in the decode dtype, for inputs of at most `max_rows` rows: through the
     kernel when it is loaded and the activations are fp32 (fp32 accumulation), else `F.linear` with the activations
-    cast to the weight's dtype and the result cast back."""
+    cast to the weight's dtype and the result cast back. Decode dtype `torch.int8`: weight-only int8 with a scale per
+    output row (`quantize_rows`), the activations fp32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, max_rows: int):
-        self.weight = weight.detach().to(dtype).contiguous()
+        self.weight, self.scale = decode_weight(weight, dtype)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.max_rows = max_rows
         self.ops = cpu_kernels() if self.weight.device.type == "cpu" else None
@@ -50,8 +68,11 @@ class SmallRowLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.ops is not None and x.dtype == torch.float32:
-            out = self.ops.linear(x.reshape(-1, shape[-1]).contiguous(), self.weight, self.bias, None)
+            out = self.ops.linear(x.reshape(-1, shape[-1]).contiguous(), self.weight, self.bias, None, self.scale)
             return out.view(*shape[:-1], out.shape[-1])
+        if self.scale is not None:  # int8 without the kernels: the dequantized weight, in fp32
+            weight = self.weight.float() * self.scale[:, None]
+            return F.linear(x.float(), weight, self.bias).to(x.dtype)
         bias = None if self.bias is None else self.bias.to(self.weight.dtype)
         return F.linear(x.to(self.weight.dtype), self.weight, bias).to(x.dtype)
 
@@ -157,8 +178,8 @@ class DecoderLayerKernel:
     def __init__(self, layer: DecoderLayer, dtype: torch.dtype, max_rows: int, ops):
         attn, mlp = layer.self_attn, layer.mlp
 
-        def weight(linear: nn.Linear) -> torch.Tensor:
-            return linear.weight.detach().to(dtype)
+        def weight(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:  # (weight, int8 row scales)
+            return decode_weight(linear.weight, dtype)
 
         self.ops, self.max_rows = ops, max_rows
         # Tensor parallel (runtime/tensor_parallel.py): o_proj and down_proj hold this rank's input columns; their
@@ -172,14 +193,18 @@ class DecoderLayerKernel:
         self.down_many = ManyRowLinear([mlp.down_proj], dtype)
         self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, attn.scale
         self.window = attn.sliding_window or 0
-        self.qkv = torch.cat([weight(attn.q_proj), weight(attn.k_proj), weight(attn.v_proj)]).contiguous()
+        qkv = [weight(attn.q_proj), weight(attn.k_proj), weight(attn.v_proj)]
+        self.qkv = torch.cat([w for w, _ in qkv]).contiguous()
+        self.qkv_scale = None if qkv[0][1] is None else torch.cat([s for _, s in qkv])
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
         self.qkv_bias = None if biases[0] is None else torch.cat([_float(b) for b in biases])
-        self.o, self.o_bias = weight(attn.o_proj).contiguous(), _float(attn.o_proj.bias)
-        self.gate_up = pack_gate_up(weight(mlp.gate_proj), weight(mlp.up_proj)).contiguous()
+        (self.o, self.o_scale), self.o_bias = weight(attn.o_proj), _float(attn.o_proj.bias)
+        (gate, gate_scale), (up, up_scale) = weight(mlp.gate_proj), weight(mlp.up_proj)
+        self.gate_up = pack_gate_up(gate, up).contiguous()
+        self.gate_up_scale = None if gate_scale is None else torch.stack((gate_scale, up_scale), dim=1).contiguous()
         self.gate_up_bias = None if mlp.gate_proj.bias is None else \
             torch.stack((_float(mlp.gate_proj.bias), _float(mlp.up_proj.bias)), dim=1).contiguous()  # [inter, 2]
-        self.down, self.down_bias = weight(mlp.down_proj).contiguous(), _float(mlp.down_proj.bias)
+        (self.down, self.down_scale), self.down_bias = weight(mlp.down_proj), _float(mlp.down_proj.bias)
         norm = layer.input_layernorm
         self.input_norm = None if norm is None else (_float(norm.weight), norm.eps)
         norm = layer.post_attention_layernorm
@@ -221,27 +246,29 @@ class DecoderLayerKernel:
         ops = self.ops
         x = x.contiguous()  # [T, hidden] fp32
         h = ops.rms_norm(x, *self.input_norm) if self.input_norm is not None else x
-        qkv = ops.linear(h, self.qkv, self.qkv_bias, None)  # [T, (heads + 2 kv_heads) * head_dim]
+        qkv = ops.linear(h, self.qkv, self.qkv_bias, None, self.qkv_scale)  # [T, (heads + 2 kv_heads) * head_dim]
         attn = self._attend(qkv, cos, sin, batch, layer_cache)
-        x = self._project_add(attn, self.o, self.o_bias, x)  # + residual
+        x = self._project_add(attn, self.o, self.o_bias, self.o_scale, x)  # + residual
         h = ops.rms_norm(x, *self.post_norm)
-        mlp_hidden = ops.linear_silu_mul(h, self.gate_up, self.gate_up_bias)  # [T, intermediate]
-        return self._project_add(mlp_hidden, self.down, self.down_bias, x)  # + residual
+        mlp_hidden = ops.linear_silu_mul(h, self.gate_up, self.gate_up_bias, self.gate_up_scale)  # [T, intermediate]
+        return self._project_add(mlp_hidden, self.down, self.down_bias, self.down_scale, x)  # + residual
 
     def stack_params(self) -> tuple[list[torch.Tensor | None], list[float]]:
         """This layer's tensors and epsilons in the order the kernel's `decode_layers` reads them (see there)."""
         input_norm, input_eps = self.input_norm if self.input_norm is not None else (None, 0.0)
         post_norm, post_eps = self.post_norm
         tensors = [input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, post_norm, self.gate_up, self.gate_up_bias,
-                   self.down, self.down_bias, self.q_norm, self.k_norm]
+                   self.down, self.down_bias, self.q_norm, self.k_norm, self.qkv_scale, self.o_scale, self.gate_up_scale,
+                   self.down_scale]
         return tensors, [input_eps, post_eps, self.qk_eps]
 
-    def _project_add(self, x: torch.Tensor, weight: torch.Tensor, bias, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x W^T + b, the residual fused into the kernel; under tensor parallelism the partial products
-        are summed over the group first (the bias is held by one rank only)."""
+    def _project_add(self, x: torch.Tensor, weight: torch.Tensor, bias, scale, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T + b, the residual fused into the kernel (`scale`: int8 weights' row scales, else None);
+        under tensor parallelism the partial products are summed over the group first (the bias is held by one rank
+        only)."""
         if self.all_reduce is None:
-            return self.ops.linear(x, weight, bias, residual)
-        return residual + self.all_reduce(self.ops.linear(x, weight, bias, None))
+            return self.ops.linear(x, weight, bias, residual, scale)
+        return residual + self.all_reduce(self.ops.linear(x, weight, bias, None, scale))
 
     def _attend(self, qkv: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
         """RoPE (and q/k norms), the new K/V written to their slots, attention over each sequence's pages in place

@@ -291,3 +291,35 @@ def apply_decode_weights(model: nn.Module, precision: Precision) -> nn.Module:
             rows = max(rows, EXACT_VERIFY_ROWS)
         return apply_decode_path(model, precision.decode_torch_dtype, rows)
     return apply_decode_path(model, precision.torch_dtype, KERNEL_MAX_ROWS)
+
+
+HEAD_DECODE_DTYPES = ("auto", "target", "int8")
+
+
+def apply_head_decode_weights(head: nn.Module, precision: Precision, head_decode_dtype: str = "auto") -> str:
+    """Give a draft head its decode path and return the name of the weights its draft steps read.
+
+    `target`: the target's decode weights (`apply_decode_weights`). `int8`: weight-only int8 with one scale per
+    output row (`cpu_decode.quantize_rows`) through the CPU decode kernels: a head step streams its layer, input
+    projection and output projection in half the bytes of bf16, and the head's steps run k times per speculative step
+    while the target's verify stays exact, so the output distribution is unchanged (greedy output identical) and only
+    the acceptance could move (measured on the demo head, AMD EPYC Zen 4: τ within 0.01 of bf16 at k = 1..3,
+    docs/tuning.md). Refused where the kernels do not serve the head (no kernels, CUDA, a bf16/fp16 model). `auto`:
+    int8 where the kernels serve the head, else `target`."""
+    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+    from mtp_train.runtime.kernels import cpu_kernels, unavailable_reason
+
+    if head_decode_dtype not in HEAD_DECODE_DTYPES:
+        raise UserError(f"eval.head_decode_dtype: {head_decode_dtype!r}; expected one of {', '.join(HEAD_DECODE_DTYPES)}")
+    weight = next(head.parameters())
+    kernels_serve = weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels() is not None
+    if head_decode_dtype == "int8" and not kernels_serve:
+        why = (f"the CPU decode kernels are unavailable ({unavailable_reason()})" if cpu_kernels() is None
+               else f"the head's weights are {weight.dtype} on {weight.device.type} (the kernels serve fp32 models on "
+               "the CPU)")
+        raise UserError(f"eval.head_decode_dtype: int8 runs through the CPU decode kernels, and {why}; use target")
+    if head_decode_dtype == "target" or not kernels_serve:
+        apply_decode_weights(head, precision)
+        return precision.decode_dtype if precision.split else precision.dtype
+    apply_decode_path(head, torch.int8, max(precision.decode_max_rows, KERNEL_MAX_ROWS))
+    return "int8"

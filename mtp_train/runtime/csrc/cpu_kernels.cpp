@@ -56,12 +56,16 @@ inline float bf16_to_float(bf16_bits v) {
 
 inline float load_scalar(const float* p) { return *p; }
 inline float load_scalar(const bf16_bits* p) { return bf16_to_float(*p); }
+inline float load_scalar(const int8_t* p) { return static_cast<float>(*p); }  // int8 weights: scaled per row later
 
 #if MTP_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16_bits* p) {
   __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -170,6 +174,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16_bits* p) {
   const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // row_dots with 16-lane vectors (fp32 activations). P == 1: a vector holds 16 consecutive k. P == 2: it holds the
@@ -342,7 +349,7 @@ inline void dots(const bf16_bits* row, const bf16_bits* x, int64_t ldx, int64_t 
 
 template <typename W, typename X, int R, bool SiluMul>
 void linear_block(const X* x, int64_t ldx, const W* w, int64_t K, int64_t n_begin, int64_t n_end, float* y,
-                  int64_t ldy, const float* bias, const float* residual, int64_t ldr) {
+                  int64_t ldy, const float* bias, const float* scale, const float* residual, int64_t ldr) {
   constexpr int P = SiluMul ? 2 : 1;               // dot products per weight row
   constexpr int kGroup = 4;                        // rows sharing each weight load (8 accumulators, see row_dots)
   constexpr int G1 = R < kGroup ? R : kGroup;      // rows of the first group
@@ -354,11 +361,13 @@ void linear_block(const X* x, int64_t ldx, const W* w, int64_t K, int64_t n_begi
       float value;
       if (SiluMul) {
         // bias (optional) holds the gate and up biases interleaved: [gate_bias[n], up_bias[n]] at 2 n.
-        const float gate = sums[0][r] + (bias ? bias[2 * n] : 0.f);
-        const float up = sums[P - 1][r] + (bias ? bias[2 * n + 1] : 0.f);
+        // scale (int8 weights) holds the gate and up rows' scales the same way
+        const float gate = sums[0][r] * (scale ? scale[2 * n] : 1.f) + (bias ? bias[2 * n] : 0.f);
+        const float up = sums[P - 1][r] * (scale ? scale[2 * n + 1] : 1.f) + (bias ? bias[2 * n + 1] : 0.f);
         value = gate / (1.f + std::exp(-gate)) * up;
       } else {
         value = sums[0][r];
+        if (scale) value *= scale[n];
         if (bias) value += bias[n];
         if (residual) value += residual[r * ldr + n];
       }
@@ -411,18 +420,18 @@ void linear_block(const X* x, int64_t ldx, const W* w, int64_t K, int64_t n_begi
 
 template <typename W, typename X, int R, bool SiluMul>
 void linear_rows(const X* x, int64_t ldx, const W* w, int64_t K, int64_t N, float* y, int64_t ldy,
-                 const float* bias, const float* residual, int64_t ldr) {
+                 const float* bias, const float* scale, const float* residual, int64_t ldr) {
   constexpr int P = SiluMul ? 2 : 1;
   // ~64 KB of weights per task: enough work to amortize scheduling, enough tasks to balance the threads.
   const int64_t grain = std::max<int64_t>(1, 64 * 1024 / (int64_t(sizeof(W)) * K * P));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    linear_block<W, X, R, SiluMul>(x, ldx, w, K, begin, end, y, ldy, bias, residual, ldr);
+    linear_block<W, X, R, SiluMul>(x, ldx, w, K, begin, end, y, ldy, bias, scale, residual, ldr);
   });
 }
 
 template <typename W, typename X, bool SiluMul>
 void linear_dispatch(const X* x, int64_t ldx, const W* w, int64_t K, int64_t N, float* y, int64_t ldy,
-                     const float* bias, const float* residual, int64_t ldr, int64_t rows) {
+                     const float* bias, const float* scale, const float* residual, int64_t ldr, int64_t rows) {
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     const int64_t r = std::min<int64_t>(8, rows - r0);
     const X* xr = x + r0 * ldx;
@@ -431,7 +440,7 @@ void linear_dispatch(const X* x, int64_t ldx, const W* w, int64_t K, int64_t N, 
     switch (r) {
 #define MTP_CASE(NR) \
   case NR:           \
-    linear_rows<W, X, NR, SiluMul>(xr, ldx, w, K, N, yr, ldy, bias, res, ldr); \
+    linear_rows<W, X, NR, SiluMul>(xr, ldx, w, K, N, yr, ldy, bias, scale, res, ldr); \
     break;
       MTP_CASE(1) MTP_CASE(2) MTP_CASE(3) MTP_CASE(4) MTP_CASE(5) MTP_CASE(6) MTP_CASE(7) MTP_CASE(8)
 #undef MTP_CASE
@@ -441,11 +450,11 @@ void linear_dispatch(const X* x, int64_t ldx, const W* w, int64_t K, int64_t N, 
 
 template <typename W, typename X>
 void linear_any(bool silu_mul, const X* x, int64_t ldx, const W* w, int64_t K, int64_t N, float* y, int64_t ldy,
-                const float* bias, const float* residual, int64_t ldr, int64_t rows) {
+                const float* bias, const float* scale, const float* residual, int64_t ldr, int64_t rows) {
   if (silu_mul)
-    linear_dispatch<W, X, true>(x, ldx, w, K, N, y, ldy, bias, residual, ldr, rows);
+    linear_dispatch<W, X, true>(x, ldx, w, K, N, y, ldy, bias, scale, residual, ldr, rows);
   else
-    linear_dispatch<W, X, false>(x, ldx, w, K, N, y, ldy, bias, residual, ldr, rows);
+    linear_dispatch<W, X, false>(x, ldx, w, K, N, y, ldy, bias, scale, residual, ldr, rows);
 }
 
 void check_activations(const at::Tensor& x, const char* name) {
@@ -485,11 +494,16 @@ at::Tensor to_bf16_activations(const at::Tensor& x, int P) {
 }
 
 at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                       const c10::optional<at::Tensor>& residual, bool silu_mul) {
+                       const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& scale,
+                       bool silu_mul) {
   check_activations(x, "x");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous 2-D tensor");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
-              "weight must be float32 or bfloat16");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16 ||
+                  weight.scalar_type() == at::kChar,
+              "weight must be float32, bfloat16 or int8 (with its per-row scale)");
+  const bool int8_weight = weight.scalar_type() == at::kChar;
+  TORCH_CHECK(int8_weight == (scale.has_value() && scale->defined()),
+              int8_weight ? "int8 weights need their per-row scale" : "a scale goes with int8 weights only");
   const int64_t rows = x.size(0), K = x.size(1);
   TORCH_CHECK(weight.size(1) == K * (silu_mul ? 2 : 1), "x has ", K, " features, weight rows have ", weight.size(1),
               silu_mul ? " (a packed gate_up weight has 2 K)" : "");
@@ -502,6 +516,13 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight, const c10:
                 "bias must be float32 with ", bias_len, " elements");
     bias_ptr = bias->data_ptr<float>();
   }
+  const float* scale_ptr = nullptr;
+  if (int8_weight) {
+    const int64_t scale_len = N * (silu_mul ? 2 : 1);
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == scale_len,
+                "scale must be float32 with ", scale_len, " elements");
+    scale_ptr = scale->data_ptr<float>();
+  }
   const float* residual_ptr = nullptr;
   int64_t ldr = 0;
   if (residual.has_value() && residual->defined()) {
@@ -511,34 +532,40 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight, const c10:
     ldr = residual->stride(0);
   }
   at::Tensor y = at::empty({rows, N}, x.options());
-  if (weight.scalar_type() == at::kFloat) {
+  if (int8_weight) {  // weight-only int8: fp32 activations, the row's scale applied to its fp32 sum
+    linear_any<int8_t>(silu_mul, x.data_ptr<float>(), x.stride(0), weight.data_ptr<int8_t>(), K, N, y.data_ptr<float>(),
+                       N, bias_ptr, scale_ptr, residual_ptr, ldr, rows);
+  } else if (weight.scalar_type() == at::kFloat) {
     linear_any<float>(silu_mul, x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), K, N, y.data_ptr<float>(), N,
-                           bias_ptr, residual_ptr, ldr, rows);
+                           bias_ptr, nullptr, residual_ptr, ldr, rows);
 #if MTP_AVX512_BF16
   } else if (bf16_activations()) {
     const at::Tensor x_bf16 = to_bf16_activations(x, silu_mul ? 2 : 1);
     linear_any<bf16_bits, bf16_bits>(silu_mul, reinterpret_cast<const bf16_bits*>(x_bf16.data_ptr<at::BFloat16>()),
                                      x_bf16.stride(0), reinterpret_cast<const bf16_bits*>(weight.data_ptr<at::BFloat16>()),
-                                     K, N, y.data_ptr<float>(), N, bias_ptr, residual_ptr, ldr, rows);
+                                     K, N, y.data_ptr<float>(), N, bias_ptr, nullptr, residual_ptr, ldr, rows);
 #endif
   } else {
     linear_any<bf16_bits>(silu_mul, x.data_ptr<float>(), x.stride(0),
                                reinterpret_cast<const bf16_bits*>(weight.data_ptr<at::BFloat16>()), K, N,
-                               y.data_ptr<float>(), N, bias_ptr, residual_ptr, ldr, rows);
+                               y.data_ptr<float>(), N, bias_ptr, nullptr, residual_ptr, ldr, rows);
   }
   return y;
 }
 
-// y = x @ weight.T (+ bias) (+ residual); x [rows, K] fp32, weight [N, K] fp32 or bf16.
+// y = x @ weight.T (+ bias) (+ residual); x [rows, K] fp32, weight [N, K] fp32 or bf16, or int8 with `scale` [N]
+// (row n's weights are weight[n] * scale[n]; weight-only quantization, activations stay fp32).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  const c10::optional<at::Tensor>& residual) {
-  return linear_impl(x, weight, bias, residual, false);
+                  const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& scale) {
+  return linear_impl(x, weight, bias, residual, scale, false);
 }
 
 // silu(x @ gate.T + gate_bias) * (x @ up.T + up_bias); gate_up [inter, 2 K] holds gate and up interleaved in chunks
-// of 8 columns, the optional bias [inter, 2] the two biases side by side.
-at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& gate_up, const c10::optional<at::Tensor>& bias) {
-  return linear_impl(x, gate_up, bias, c10::nullopt, true);
+// of 8 columns, the optional bias [inter, 2] the two biases side by side, and for int8 weights the scale [inter, 2]
+// the gate and up rows' scales.
+at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& gate_up, const c10::optional<at::Tensor>& bias,
+                           const c10::optional<at::Tensor>& scale) {
+  return linear_impl(x, gate_up, bias, c10::nullopt, scale, true);
 }
 
 // RMSNorm as transformers computes it in fp32: weight * (x * rsqrt(mean(x^2) + eps)).
@@ -905,9 +932,9 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
 // params: kStackParams optional tensors per layer, in this order: input norm weight (None: no input norm), fused
 // q/k/v weight, its bias, output projection weight, its bias, post-attention norm weight, packed gate_up weight
 // (see linear_silu_mul), its bias [inter, 2], down projection weight, its bias, q_norm and k_norm weights (None when
-// the model has none). eps: per layer (input norm, post-attention norm, q/k norm). windows: per layer sliding window
+// the model has none), then the scales of the four weights when they are int8 (else None). eps: per layer (input norm, post-attention norm, q/k norm). windows: per layer sliding window
 // (0 = none). keep: layers (0-based) whose outputs are returned after the last one's.
-constexpr int64_t kStackParams = 12;
+constexpr int64_t kStackParams = 16;
 
 std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c10::optional<at::Tensor>>& params,
                                       at::ArrayRef<double> eps, at::TensorList k_caches, at::TensorList v_caches,
@@ -931,14 +958,15 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c1
   for (int64_t l = 0; l < num_layers; ++l) {
     const c10::optional<at::Tensor> input_norm = param(l, 0);
     const at::Tensor h = input_norm.has_value() ? rms_norm(x, *input_norm, eps[3 * l]) : x;
-    at::Tensor qkv = linear(h, *param(l, 1), param(l, 2), c10::nullopt);
+    at::Tensor qkv = linear(h, *param(l, 1), param(l, 2), c10::nullopt, param(l, 12));
     const at::Tensor attn = paged_attention(qkv, cos, sin, k_caches[l], v_caches[l], slot_mapping, positions,
                                             qo_indptr, page_indptr, page_indices, num_heads, num_kv_heads, scale,
                                             windows[l], param(l, 10), param(l, 11), eps[3 * l + 2], tree_start,
                                             tree_keys);
-    x = linear(attn, *param(l, 3), param(l, 4), x);  // + residual
-    const at::Tensor mlp_hidden = linear_silu_mul(rms_norm(x, *param(l, 5), eps[3 * l + 1]), *param(l, 6), param(l, 7));
-    x = linear(mlp_hidden, *param(l, 8), param(l, 9), x);  // + residual
+    x = linear(attn, *param(l, 3), param(l, 4), x, param(l, 13));  // + residual
+    const at::Tensor mlp_hidden =
+        linear_silu_mul(rms_norm(x, *param(l, 5), eps[3 * l + 1]), *param(l, 6), param(l, 7), param(l, 14));
+    x = linear(mlp_hidden, *param(l, 8), param(l, 9), x, param(l, 15));  // + residual
     if (std::find(keep.begin(), keep.end(), l) != keep.end()) outputs.push_back(x);
   }
   outputs[0] = x;
@@ -948,8 +976,8 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c1
 }  // namespace
 
 TORCH_LIBRARY(mtp_cpu, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None) -> Tensor");
-  m.def("linear_silu_mul(Tensor x, Tensor gate_up, Tensor? bias=None) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None, Tensor? scale=None) -> Tensor");
+  m.def("linear_silu_mul(Tensor x, Tensor gate_up, Tensor? bias=None, Tensor? scale=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("bf16_activations() -> bool", &bf16_activations);  // no tensor to dispatch on: a catch-all kernel
   m.def(
