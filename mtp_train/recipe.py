@@ -56,10 +56,12 @@ class TargetSection(_Section):
         description="compute dtype of prefill, precompute and training (the weights' dtype); auto = the fastest the "
         "device really has (runtime/precision.py: bf16 on CUDA and on CPUs with native bf16, else fp32)",
     )
-    decode_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+    decode_dtype: Literal["auto", "bfloat16", "float16", "float32", "int8"] = Field(
         "auto",
         description="weights of the few-row matmuls of decode, verify and draft steps; auto = `dtype` when that is "
-        "set, else timed on this machine (bf16 weights where they are faster: half the bytes to stream)",
+        "set, else timed on this machine (bf16 weights where they are faster: half the bytes to stream); int8 = "
+        "weight-only int8 with a scale per row through the CPU decode kernels (an fp32 model; a quantized serving "
+        "target: its logits differ from bf16's by quantization, docs/tuning.md)",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensor_parallel: int = Field(

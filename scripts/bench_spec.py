@@ -5,7 +5,10 @@ Paths (each with its own target, weight copies and head):
 - `torch`: our runtime without the decode path (fp32 weights, the model's own torch ops);
 - `kernels-fp32`: the same model with the CPU decode kernels over fp32 weights (`apply_decode_path`);
 - `auto`: the model as the pipeline loads it (`--dtype auto`: on an AVX2-only CPU fp32 weights, bf16 copies read
-  by the kernels for forwards of up to `decode_max_rows` rows).
+  by the kernels for forwards of up to `decode_max_rows` rows), the head as `eval` loads it (`head_decode_dtype:
+  auto`: int8 draft weights where the kernels serve it);
+- `int8`: the quantized serving target (`target.decode_dtype: int8`: weight-only int8 copies read by the kernels),
+  with an int8 head; its plain decode is timed beside `auto`'s in part 2.
 
 1. Cost profile, per path, for a short (~200-token) and a long (~4k-token) prompt (MT-bench questions and the repo's
    README/docs in one user message; the token counts are printed): one target decode step (ms); the bytes it streams
@@ -39,7 +42,7 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PATHS = ("torch", "kernels-fp32", "auto")
+PATHS = ("torch", "kernels-fp32", "auto", "int8")
 VERIFY_ROWS = (2, 4, 8)
 PROMPT_INSTRUCTION = "Summarize the text above in three sentences."
 
@@ -130,14 +133,16 @@ def load_paths(names, target_dir: Path, head_dir: str, precision) -> list[Decode
     """Each path's target and head, loaded separately (separate weight copies)."""
     from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
     from mtp_train.runtime.loader import load_model
-    from mtp_train.runtime.precision import apply_decode_weights
+    from mtp_train.runtime.precision import apply_head_decode_weights, resolve_precision
 
     paths = []
     for name in names:
-        if name == "auto":
-            target = load_model(target_dir, device="cpu", precision=precision)
-            head = apply_decode_weights(load_head(head_dir, target), precision)
-            description = f"load_model(precision): {precision.describe()}"
+        if name in ("auto", "int8"):
+            path_precision = precision if name == "auto" else resolve_precision("auto", "int8", "cpu")
+            target = load_model(target_dir, device="cpu", precision=path_precision)
+            head = load_head(head_dir, target)
+            head_weights = apply_head_decode_weights(head, path_precision, "auto")
+            description = f"load_model(precision): {path_precision.describe()}; head draft weights {head_weights}"
         elif name == "kernels-fp32":
             target = apply_decode_path(load_model(target_dir, device="cpu", dtype="float32"), torch.float32,
                                        KERNEL_MAX_ROWS)
@@ -352,6 +357,8 @@ def main() -> None:
     if "torch" in by_name:
         contenders["torch_plain"] = plain(by_name["torch"].target)
     contenders["auto_plain"] = plain(auto.target)
+    if "int8" in by_name:
+        contenders["int8_plain"] = plain(by_name["int8"].target)
     for k in args.ks:
         contenders[f"auto_mtp_k{k}"] = lambda ids, k=k: _spec(speculative_generate(
             auto.target, auto.head, [ids], args.new_tokens, k, stop_token_ids=stops))
@@ -424,7 +431,7 @@ def main() -> None:
         "auto_long_verify4_over_decode": f"{long.verify_over_decode(4):.3f}",
         "head_step_over_decode": f"{short.head_over_decode:.3f}",
     }
-    for name in ("torch", "kernels-fp32"):
+    for name in ("torch", "kernels-fp32", "int8"):
         if name in by_name:
             key, p = name.replace("-", "_"), profiles[name, "short"]
             fields[f"{key}_decode_ms"] = f"{p.decode_seconds * 1e3:.2f}"
@@ -444,6 +451,8 @@ def main() -> None:
     fields |= tree_fields
     if "torch_plain" in totals:
         fields["auto_plain_vs_torch_plain"] = f"{plain_tps / totals['torch_plain'].tokens_per_second:.3f}"
+    if "int8_plain" in totals:
+        fields["int8_plain_vs_auto_plain"] = f"{totals['int8_plain'].tokens_per_second / plain_tps:.3f}"
     fields |= {f"mtp_k{k}_speedup": f"{totals[f'auto_mtp_k{k}'].tokens_per_second / plain_tps:.3f}" for k in args.ks}
     fields |= {
         "short_prompt_tokens": str(short.prompt_tokens),

@@ -124,10 +124,12 @@ def _kernel_model(path, dtype=torch.float32):
     return apply_decode_path(model, dtype, KERNEL_MAX_ROWS)
 
 
-def test_verify_rows_are_bit_identical_to_decode_steps(ops, tiny_dir):
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
+def test_verify_rows_are_bit_identical_to_decode_steps(ops, tiny_dir, weights):
     """Each row is computed in the same order whatever the row count: a verify of 5 tokens gives exactly the logits of
-    5 decode steps (the property that makes greedy speculation reproduce plain greedy bit for bit)."""
-    model = _kernel_model(tiny_dir)
+    5 decode steps (the property that makes greedy speculation reproduce plain greedy bit for bit), whatever the
+    decode weights."""
+    model = _kernel_model(tiny_dir, weights)
     ids = torch.randint(2, 96, (17,), generator=torch.Generator().manual_seed(0)).tolist()
     allocator = PageAllocator(16, page_size=4)
     cache = model.new_kv_cache(allocator)
@@ -464,3 +466,25 @@ def test_an_int8_head_is_refused_where_the_kernels_do_not_serve_it(monkeypatch, 
     assert apply_head_decode_weights(head, precision, "auto") == "float32"  # auto falls back to the target's
     with pytest.raises(UserError, match="expected one of auto, target, int8"):
         apply_head_decode_weights(head, precision, "int4")
+
+
+def test_an_int8_target_stays_within_its_quantization_and_speculates_losslessly(ops, tiny_dir):
+    """`target.decode_dtype: int8` serves the target's decode and verify matmuls from row-quantized int8 weights:
+    its logits stay within the quantization error of fp32's, and greedy speculative decoding over it reproduces
+    plain greedy decoding over it token for token."""
+    fp32, int8 = _kernel_model(tiny_dir), _kernel_model(tiny_dir, torch.int8)
+    assert int8.lm_head.small.weight.dtype == torch.int8
+    ids = torch.randint(2, 96, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = []
+    for model in (fp32, int8):
+        allocator = PageAllocator(8, page_size=4)
+        cache, seq = model.new_kv_cache(allocator), Sequence(0)
+        model(torch.tensor(ids[:6]), BatchInfo.for_sequences([seq], [6], allocator), cache)
+        logits.append(model(torch.tensor(ids[6:]), BatchInfo.for_sequences([seq], [3], allocator), cache).logits)
+    difference = (logits[0] - logits[1]).abs().max()
+    assert 0 < difference <= 0.05 * logits[0].abs().max()  # really the int8 copy, and only its rounding
+    torch.manual_seed(0)
+    head = DraftHead.from_target(int8, HeadConfig.for_target(int8.config, kind="mtp", init="last_layer"))
+    apply_decode_path(head, torch.bfloat16, KERNEL_MAX_ROWS)
+    _, stats = run_and_compare(int8, head, make_prompts(3), max_new_tokens=12, k=3)
+    assert stats.accepted_tokens > 0

@@ -209,3 +209,38 @@ def test_on_native_bf16_cpus_verifies_of_up_to_32_rows_stay_on_the_decode_path(m
     model = nn.Sequential(nn.Linear(16, 32))
     apply_decode_weights(model, Precision("float32", "bfloat16", 8, "probe: 8 rows"))
     assert model[0].small.max_rows == (EXACT_VERIFY_ROWS if native else 8)
+
+
+def test_int8_decode_weights_need_an_fp32_model_on_the_cpu_kernels(monkeypatch):
+    """`target.decode_dtype: int8` (the quantized serving target): an fp32 model whose decode/verify matmuls read
+    row-quantized int8 copies through the CPU kernels, up to EXACT_VERIFY_ROWS rows (above them fp32 GEMMs would
+    round differently from the decode steps a verify replaces); refused with the reason where that cannot run."""
+    from mtp_train.runtime import kernels
+    from mtp_train.runtime.cpu_decode import EXACT_VERIFY_ROWS
+
+    if cpu_kernels() is None:
+        pytest.skip("the CPU decode kernels are not built on this machine")
+    for dtype in ("auto", "float32"):
+        precision = resolve_precision(dtype, "int8", "cpu", facts=AVX512_BF16, decode_timer=_never_called)
+        assert (precision.dtype, precision.decode_dtype, precision.split) == ("float32", "int8", True)
+        assert precision.decode_torch_dtype == torch.int8
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32))
+    apply_decode_weights(model, precision)
+    assert model[0].small.weight.dtype == torch.int8 and model[0].small.max_rows == EXACT_VERIFY_ROWS
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        scale = model[0].weight.abs().amax(1)
+        assert ((model(x) - model[0].small.weight.float().mul(model[0].small.scale[:, None]).matmul(x.T).T
+                 - model[0].bias).abs().max() < 1e-5)
+        assert (model(x) - torch.nn.functional.linear(x, model[0].weight, model[0].bias)).abs().max() < (
+            scale.max() / 127 * x.abs().sum(1).max())
+    with pytest.raises(UserError, match="needs target.dtype float32 or auto"):
+        resolve_precision("bfloat16", "int8", "cpu", facts=AVX512_BF16)
+    with pytest.raises(UserError, match="on cuda use bfloat16 or float16"):
+        resolve_precision("auto", "int8", "cuda", facts=AVX512_BF16)
+    with pytest.raises(UserError, match="target.dtype: 'int8' is not a dtype"):
+        resolve_precision("int8", "auto", "cpu", facts=AVX2)
+    monkeypatch.setattr(kernels, "_state", {"ops": None, "reason": "disabled by the test"})
+    with pytest.raises(UserError, match="unavailable here .disabled by the test."):
+        resolve_precision("auto", "int8", "cpu", facts=AVX512_BF16)

@@ -38,7 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (auto: the fastest this device has; `mtp-train env` shows the choice)")
-    p.add_argument("--decode-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--decode-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="weights of the few-row decode/verify matmuls (auto: --dtype when set, else timed)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Decode weights may also be weight-only int8 (one scale per output row, `cpu_decode.quantize_rows`): a quarter of fp32's
+# bytes, through the CPU decode kernels only (they read an fp32 model); never a compute dtype.
+DECODE_ONLY_DTYPES = {"int8": torch.int8}
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 PROBE_FORMAT_VERSION = 4  # 3: bf16 timed through the CPU decode kernels where built; 4: + torch's bf16 matmul
 
@@ -66,7 +69,7 @@ class Precision:
 
     @property
     def decode_torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.decode_dtype]
+        return TORCH_DTYPES.get(self.decode_dtype) or DECODE_ONLY_DTYPES[self.decode_dtype]
 
     @property
     def split(self) -> bool:
@@ -202,10 +205,13 @@ def resolve_precision(
 ) -> Precision:
     """Resolve the recipe's `target.dtype` / `target.decode_dtype` for `device`. `phases` names what the stage runs:
     a stage that never decodes (precompute, training) skips the decode timing."""
-    for name, value in (("target.dtype", dtype), ("target.decode_dtype", decode_dtype)):
-        if value != "auto" and value not in TORCH_DTYPES:
-            raise UserError(f"{name}: {value!r} is not a dtype; expected auto, {', '.join(DTYPE_NAMES)}")
+    for name, value, allowed in (("target.dtype", dtype, DTYPE_NAMES),
+                                 ("target.decode_dtype", decode_dtype, DTYPE_NAMES + tuple(DECODE_ONLY_DTYPES))):
+        if value != "auto" and value not in allowed:
+            raise UserError(f"{name}: {value!r} is not a dtype; expected auto, {', '.join(allowed)}")
     device = torch.device(device) if isinstance(device, str) else device
+    if decode_dtype in DECODE_ONLY_DTYPES:
+        return _int8_decode(dtype, decode_dtype, device)
     if dtype != "auto":
         chosen = decode_dtype if decode_dtype != "auto" else dtype
         rows = _explicit_rows(dtype, chosen)
@@ -254,6 +260,24 @@ def resolve_precision(
                      f"faster up to {rows} rows")
 
 
+def _int8_decode(dtype: str, decode_dtype: str, device: torch.device) -> Precision:
+    """`target.decode_dtype: int8`: an fp32 model (what the CPU decode kernels read) whose decode and verify matmuls
+    read row-quantized int8 copies of the weights; prefills, precompute and training keep fp32."""
+    from mtp_train.runtime.kernels import cpu_kernels, unavailable_reason
+
+    if device.type != "cpu":
+        raise UserError(f"target.decode_dtype: {decode_dtype} runs through the CPU decode kernels; on {device.type} "
+                        "use bfloat16 or float16")
+    if dtype not in ("auto", "float32"):
+        raise UserError(f"target.decode_dtype: {decode_dtype} needs target.dtype float32 or auto (the CPU decode "
+                        f"kernels read an fp32 model), not {dtype}")
+    if cpu_kernels() is None:
+        raise UserError(f"target.decode_dtype: {decode_dtype} runs through the CPU decode kernels, which are "
+                        f"unavailable here ({unavailable_reason()})")
+    return Precision("float32", decode_dtype, max(PROBE_ROWS), "set in the recipe: weight-only int8 decode weights "
+                     "(a scale per row) through the CPU decode kernels, fp32 model", requested=dtype)
+
+
 def _explicit_rows(dtype: str, decode_dtype: str) -> int:
     """A decode dtype set explicitly (and different from `dtype`) serves every decode and verify of up to 16 rows."""
     return 0 if decode_dtype == dtype else max(PROBE_ROWS)
@@ -279,7 +303,7 @@ def apply_decode_weights(model: nn.Module, precision: Precision) -> nn.Module:
 
     if precision.split:
         rows = precision.decode_max_rows
-        if precision.decode_dtype == "bfloat16" and _native_bf16():
+        if precision.decode_dtype in DECODE_ONLY_DTYPES or (precision.decode_dtype == "bfloat16" and _native_bf16()):
             # Above `rows` this CPU runs bf16 GEMMs (`ManyRowLinear`), whose rounding differs from the kernels': a
             # verify or a draft tree of more rows than a decode step would then see other logits than the decode
             # steps it replaces, and greedy speculative output would part from plain greedy at near-ties (with the
