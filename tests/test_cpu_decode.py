@@ -488,3 +488,42 @@ def test_an_int8_target_stays_within_its_quantization_and_speculates_losslessly(
     apply_decode_path(head, torch.bfloat16, KERNEL_MAX_ROWS)
     _, stats = run_and_compare(int8, head, make_prompts(3), max_new_tokens=12, k=3)
     assert stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
+def test_the_mtp_input_call_computes_what_the_separate_ops_compute(ops, tiny_dir, weights):
+    """An MTP head's input projection in one kernel call (`DecodeMTPInput`: embedding rows, enorm, hnorm, eh_proj):
+    its draft steps and catch-up rows equal, bit for bit, those of the separate norm and projection calls; rows above
+    `max_rows` keep the separate path."""
+    from mtp_train.runtime.cpu_decode import DecodeMTPInput
+
+    target = _kernel_model(tiny_dir, weights)
+    torch.manual_seed(0)
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="random"))
+    for norm in (head.enorm, head.hnorm):
+        norm.weight.data.uniform_(0.5, 1.5)
+    apply_decode_path(head, weights, KERNEL_MAX_ROWS)
+    fused = head._borrowed.decode_input
+    assert isinstance(fused, DecodeMTPInput)
+    served = []
+    original_input = ops.mtp_input
+    fused.ops = type("Ops", (), {"mtp_input": staticmethod(lambda *a: served.append(a[0].numel()) or
+                                                           original_input(*a))})
+    gen = torch.Generator().manual_seed(4)
+
+    def run():
+        allocator = PageAllocator(16, page_size=4)
+        cache, seq = head.new_kv_cache(allocator), Sequence(0)
+        outs = []
+        for rows in (KERNEL_MAX_ROWS + 2, 3, 1, 1):  # a catch-up after a prefill, a catch-up, two draft steps
+            ids = torch.randint(0, 96, (rows,), generator=gen.manual_seed(rows))
+            hidden = torch.randn(rows, target.config.hidden_size, generator=gen.manual_seed(rows))
+            outs.append(head(ids, hidden, BatchInfo.for_sequences([seq], [rows], allocator), cache))
+        return outs
+
+    with_fused = run()
+    head._borrowed.decode_input = None
+    separate = run()
+    assert served == [3, 1, 1]
+    for a, b in zip(with_fused, separate):
+        assert torch.equal(a, b)

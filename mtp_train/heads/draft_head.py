@@ -46,6 +46,7 @@ class _Borrowed:
     draft_weight_key: tuple = ()
     decode_projection: object | None = None  # the runtime's decode-dtype copy of draft_weight (few-row logits)
     decode_projection_key: tuple = ()
+    decode_input: object | None = None  # the runtime's one-call input projection of an MTP head (few-row, cached)
 
 
 class DraftHead(nn.Module):
@@ -270,6 +271,13 @@ class DraftHead(nn.Module):
         self._borrowed.decode_projection = make(self.draft_weight)
         self._borrowed.decode_projection_key = self._draft_weight_key()
 
+    def set_decode_input(self, decode_input) -> None:
+        """Serve an MTP head's input rows in its cached forwards (draft steps, catch-up) through
+        `decode_input(head, token_ids, hidden)` (`runtime.cpu_decode.DecodeMTPInput`: one kernel call), which
+        returns None for the inputs it does not take. No effect on other head kinds."""
+        if self.is_mtp:
+            self._borrowed.decode_input = decode_input
+
     # ---- forward ------------------------------------------------------------------------------------------------
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,14 +300,16 @@ class DraftHead(nn.Module):
 
     def _forward(self, token_ids, hidden, batch: BatchInfo, kv_cache: KVCache | None) -> torch.Tensor:
         dtype = self.dtype
-        embeds = F.embedding(token_ids, self.embed_weight).to(dtype)  # [T, d]
-        hidden = hidden.to(dtype)  # [T, d]
-        if self.is_mtp:
-            x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))  # [T, d]
-        else:
-            x = self.fc(torch.cat((embeds, hidden), dim=-1))  # [T, d]
-        cos, sin = self._rope(batch.positions, x.dtype)
-        x, _ = run_decoder_layers(self.layers, x, cos, sin, batch, kv_cache, self.backend)
+        decode_input = self._borrowed.decode_input
+        x = decode_input(self, token_ids, hidden) if decode_input is not None and kv_cache is not None else None
+        if x is None:
+            embeds = F.embedding(token_ids, self.embed_weight).to(dtype)  # [T, d]
+            hidden = hidden.to(dtype)  # [T, d]
+            if self.is_mtp:
+                x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))  # [T, d]
+            else:
+                x = self.fc(torch.cat((embeds, hidden), dim=-1))  # [T, d]
+        x, _ = run_decoder_layers(self.layers, x, self._borrowed.rotary, batch, kv_cache, self.backend)
         return self.norm(x) if self.norm is not None else x
 
     def readout(self, out: torch.Tensor) -> torch.Tensor:

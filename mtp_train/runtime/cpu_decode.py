@@ -161,6 +161,28 @@ class DecodeRMSNorm(RMSNorm):
         return super().forward(x)
 
 
+class DecodeMTPInput:
+    """An MTP head's input projection, eh_proj(cat(enorm(embed(t)), hnorm(h))), for at most `max_rows` rows of fp32
+    states in one kernel call (`mtp_input`) instead of five ops: the rows of `DecodeRMSNorm` and the input projection's
+    decode copy (`DecodeLinear.small`), bit for bit. A head's draft step is short (~1 ms on a Zen 4) and follows a
+    target forward that has pushed the interpreter's own data out of the caches, so each op it makes costs several
+    times its warm price. Set by `apply_decode_path` on an MTP head (`DraftHead.set_decode_input`)."""
+
+    def __init__(self, ops, max_rows: int):
+        self.ops, self.max_rows = ops, max_rows
+
+    def __call__(self, head, token_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[T] token ids, [T, d] states -> the input rows [T, d], or None where this does not serve them (not fp32,
+        more than `max_rows` rows, a model off the CPU)."""
+        embed, small = head.embed_weight, head.eh_proj.small
+        if (hidden.dtype != torch.float32 or embed.dtype != torch.float32 or hidden.dim() != 2
+                or hidden.shape[0] > self.max_rows or head.enorm.weight.dtype != torch.float32
+                or not embed.is_contiguous() or small.ops is None):
+            return None
+        return self.ops.mtp_input(token_ids, hidden.contiguous(), embed, head.enorm.weight.detach(), head.enorm.eps,
+                                  head.hnorm.weight.detach(), head.hnorm.eps, small.weight, small.bias, small.scale)
+
+
 def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """[inter, K] gate and up weights -> [inter, 2 K], interleaved in chunks of 8 columns (gate[n, 0:8], up[n, 0:8],
     gate[n, 8:16], ...): one sequential stream per output for `linear_silu_mul`."""
@@ -357,15 +379,17 @@ class DecodeStack:
         return (batch.uses_cache and x.shape[0] <= self.max_rows and DecoderLayerKernel.few_per_sequence(batch)
                 and (batch.tree_masks is None or tree_key_tables(batch) is not None))
 
-    def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, kv_cache,
-                 keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, kv_cache, keep: tuple[int, ...] = (),
+                 rope_tables: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """[T, hidden] fp32 -> (the last layer's output [T, hidden], {layer id: its output} for the layers in
-        `keep`)."""
+        `keep`). cos/sin: the rows of the batch's positions [T, head_dim], or with `rope_tables` the tables of
+        positions 0..L-1 (the kernel takes the rows)."""
         tree_start, tree_keys = tree_key_tables(batch) if batch.tree_masks is not None else (None, None)
         outputs = self.ops.decode_layers(
             x, self.params, self.eps, [k for k, _ in kv_cache.layers], [v for _, v in kv_cache.layers], cos, sin,
             batch.slot_mapping, batch.positions, batch.qo_indptr, batch.kv_page_indptr, batch.kv_page_indices,
-            self.num_heads, self.num_kv_heads, self.scale, self.windows, tree_start, tree_keys, sorted(keep))
+            self.num_heads, self.num_kv_heads, self.scale, self.windows, tree_start, tree_keys, sorted(keep),
+            rope_tables)
         return outputs[0], dict(zip(sorted(keep), outputs[1:]))
 
 
@@ -436,4 +460,6 @@ def apply_decode_path(model: nn.Module, dtype: torch.dtype, max_rows: int) -> nn
             module.__class__ = DecodeLinear
             if on_cpu and module.weight.dtype == torch.float32:
                 module.many = ManyRowLinear([module], dtype)
+    if ops is not None and hasattr(model, "set_decode_input"):  # an MTP head's input projection in one call
+        model.set_decode_input(DecodeMTPInput(ops, max_rows))
     return model

@@ -76,11 +76,17 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         if positions.device.type != "cpu" or positions.numel() == 0:
             return self.tables(positions, dtype)
+        cos, sin = self.cpu_tables(dtype, int(positions.max()) + 1)
+        return cos[positions], sin[positions]
+
+    def cpu_tables(self, dtype: torch.dtype, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU tables [L, head_dim] of positions 0..L-1 (L ≥ `needed`, a power of two ≥ 256) in `dtype`, grown on
+        demand and kept: what `forward` reads rows of, and what the decode kernels take whole
+        (`run_decoder_layers`)."""
         cached = self._cache.get(dtype)
-        needed = int(positions.max()) + 1
         if cached is None or cached[0].shape[0] < needed:
             cached = self._cache[dtype] = self.tables(torch.arange(max(256, 1 << (needed - 1).bit_length())), dtype)
-        return cached[0][positions], cached[1][positions]
+        return cached
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -158,16 +164,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def run_decoder_layers(layers: nn.ModuleList, x: torch.Tensor, cos, sin, batch: BatchInfo, kv_cache: KVCache | None,
-                       backend: AttentionBackend, aux_layers: tuple[int, ...] = ()
+def run_decoder_layers(layers: nn.ModuleList, x: torch.Tensor, rotary: RotaryEmbedding, batch: BatchInfo,
+                       kv_cache: KVCache | None, backend: AttentionBackend, aux_layers: tuple[int, ...] = ()
                        ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """x through `layers` in order -> (the last layer's output, {layer id: output} for the ids in `aux_layers`).
+    """x through `layers` in order, at the rotary positions of `batch` -> (the last layer's output, {layer id: output}
+    for the ids in `aux_layers`).
 
     `layers.decode_stack`, when set from outside (`runtime/cpu_decode.py`), runs the whole list in one kernel call
-    for the forwards it serves (few rows over a KV cache), with the rows the layers' own decode kernels compute."""
+    for the forwards it serves (few rows over a KV cache), with the rows the layers' own decode kernels compute; it
+    takes the rotary tables whole (every position is below the sequences' attended lengths)."""
     stack = layers.__dict__.get("decode_stack")
     if stack is not None and kv_cache is not None and stack.serves(x, batch):
-        return stack(x, cos, sin, batch, kv_cache, tuple(j for j in aux_layers if j < len(layers)))
+        cos, sin = rotary.cpu_tables(x.dtype, max(batch.kv_lens))
+        return stack(x, cos, sin, batch, kv_cache, tuple(j for j in aux_layers if j < len(layers)), rope_tables=True)
+    cos, sin = rotary(batch.positions, x.dtype)
     aux_hidden: dict[int, torch.Tensor] = {}
     for layer_id, layer in enumerate(layers):
         layer_cache = kv_cache.layers[layer_id] if kv_cache is not None else None
@@ -258,8 +268,7 @@ class CausalLM(nn.Module):
         aux_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        cos, sin = self.rotary(batch.positions, x.dtype)
-        x, aux_hidden = run_decoder_layers(self.model.layers, x, cos, sin, batch, kv_cache, self.backend, aux_layers)
+        x, aux_hidden = run_decoder_layers(self.model.layers, x, self.rotary, batch, kv_cache, self.backend, aux_layers)
         hidden = self.model.norm(x)
         logits = None
         if compute_logits:

@@ -568,7 +568,13 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& gate_up, const
   return linear_impl(x, gate_up, bias, c10::nullopt, scale, true);
 }
 
-// RMSNorm as transformers computes it in fp32: weight * (x * rsqrt(mean(x^2) + eps)).
+// RMSNorm of one row as transformers computes it in fp32: weight * (x * rsqrt(mean(x^2) + eps)).
+inline void rms_norm_row(const float* x, const float* w, double eps, int64_t dim, float* y) {
+  const float inv = 1.f / std::sqrt(dot(x, x, dim) / static_cast<float>(dim) + static_cast<float>(eps));
+  for (int64_t i = 0; i < dim; ++i) y[i] = w[i] * (x[i] * inv);
+}
+
+// RMSNorm of each row (rms_norm_row).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_activations(x, "x");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == x.size(1), "norm weight must be float32 [",
@@ -576,13 +582,38 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), dim = x.size(1);
   at::Tensor y = at::empty({rows, dim}, x.options());
   const float* w = weight.contiguous().data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x.data_ptr<float>() + r * x.stride(0);
-    float* yr = y.data_ptr<float>() + r * dim;
-    const float inv = 1.f / std::sqrt(dot(xr, xr, dim) / static_cast<float>(dim) + static_cast<float>(eps));
-    for (int64_t i = 0; i < dim; ++i) yr[i] = w[i] * (xr[i] * inv);
-  }
+  for (int64_t r = 0; r < rows; ++r) rms_norm_row(x.data_ptr<float>() + r * x.stride(0), w, eps, dim, y.data_ptr<float>() + r * dim);
   return y;
+}
+
+// An MTP head's input projection for a few rows in one call: eh_proj(cat(enorm(embed[t]), hnorm(h))) — the embedding
+// row of each token and the hidden state normalized (the same RMSNorm as `rms_norm`), side by side, through `linear`
+// (fp32, bf16 or int8 weight). The rows are those of the separate calls, bit for bit. token_ids [T] int64, hidden
+// [T, d] fp32, embed [V, d] fp32, weight [d_out, 2 d].
+at::Tensor mtp_input(const at::Tensor& token_ids, const at::Tensor& hidden, const at::Tensor& embed,
+                     const at::Tensor& enorm, double enorm_eps, const at::Tensor& hnorm, double hnorm_eps,
+                     const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                     const c10::optional<at::Tensor>& scale) {
+  check_activations(hidden, "hidden");
+  const int64_t T = token_ids.numel(), d = hidden.size(1);
+  TORCH_CHECK(token_ids.scalar_type() == at::kLong && token_ids.dim() == 1 && hidden.size(0) == T,
+              "token_ids must be int64 [T] beside hidden [T, d]");
+  TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.dim() == 2 && embed.size(1) == d && embed.is_contiguous(),
+              "embed must be a contiguous float32 [vocab, ", d, "]");
+  TORCH_CHECK(enorm.scalar_type() == at::kFloat && hnorm.scalar_type() == at::kFloat && enorm.numel() == d &&
+                  hnorm.numel() == d && enorm.is_contiguous() && hnorm.is_contiguous(),
+              "norm weights must be contiguous float32 [", d, "]");
+  const int64_t* ids = token_ids.contiguous().data_ptr<int64_t>();
+  const int64_t vocab = embed.size(0);
+  at::Tensor joined = at::empty({T, 2 * d}, hidden.options());
+  float* out = joined.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "token id ", ids[t], " outside the embedding's ", vocab, " rows");
+    rms_norm_row(embed.data_ptr<float>() + ids[t] * d, enorm.data_ptr<float>(), enorm_eps, d, out + t * 2 * d);
+    rms_norm_row(hidden.data_ptr<float>() + t * hidden.stride(0), hnorm.data_ptr<float>(), hnorm_eps, d,
+                 out + t * 2 * d + d);
+  }
+  return linear(joined, weight, bias, c10::nullopt, scale);
 }
 
 // In place on one head vector: optional per-head RMSNorm (Qwen3's q_norm / k_norm), then rotate-half RoPE.
@@ -932,7 +963,9 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
 // params: kStackParams optional tensors per layer, in this order: input norm weight (None: no input norm), fused
 // q/k/v weight, its bias, output projection weight, its bias, post-attention norm weight, packed gate_up weight
 // (see linear_silu_mul), its bias [inter, 2], down projection weight, its bias, q_norm and k_norm weights (None when
-// the model has none), then the scales of the four weights when they are int8 (else None). eps: per layer (input norm, post-attention norm, q/k norm). windows: per layer sliding window
+// the model has none), then the scales of the four weights when they are int8 (else None). With `rope_tables`, cos
+// and sin are tables of positions 0..L-1 ([L, head_dim]) whose rows at `positions` are taken here; else the rows
+// themselves ([T, head_dim]). eps: per layer (input norm, post-attention norm, q/k norm). windows: per layer sliding window
 // (0 = none). keep: layers (0-based) whose outputs are returned after the last one's.
 constexpr int64_t kStackParams = 16;
 
@@ -943,7 +976,8 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c1
                                       const at::Tensor& page_indptr, const at::Tensor& page_indices, int64_t num_heads,
                                       int64_t num_kv_heads, double scale, at::IntArrayRef windows,
                                       const c10::optional<at::Tensor>& tree_start,
-                                      const c10::optional<at::Tensor>& tree_keys, at::IntArrayRef keep) {
+                                      const c10::optional<at::Tensor>& tree_keys, at::IntArrayRef keep,
+                                      bool rope_tables) {
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kStackParams, "params: expected ",
               kStackParams, " per layer for ", num_layers, " layers, got ", params.size());
@@ -955,13 +989,19 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c1
   };
   std::vector<at::Tensor> outputs(1);
   at::Tensor x = x_in.contiguous();
+  if (rope_tables) {
+    TORCH_CHECK(positions.numel() == 0 || positions.max().item<int64_t>() < cos.size(0), "position ",
+                positions.numel() ? positions.max().item<int64_t>() : 0, " past the rotary tables' ", cos.size(0), " rows");
+  }
+  const at::Tensor cos_rows = rope_tables ? cos.index_select(0, positions) : cos;
+  const at::Tensor sin_rows = rope_tables ? sin.index_select(0, positions) : sin;
   for (int64_t l = 0; l < num_layers; ++l) {
     const c10::optional<at::Tensor> input_norm = param(l, 0);
     const at::Tensor h = input_norm.has_value() ? rms_norm(x, *input_norm, eps[3 * l]) : x;
     at::Tensor qkv = linear(h, *param(l, 1), param(l, 2), c10::nullopt, param(l, 12));
-    const at::Tensor attn = paged_attention(qkv, cos, sin, k_caches[l], v_caches[l], slot_mapping, positions,
-                                            qo_indptr, page_indptr, page_indices, num_heads, num_kv_heads, scale,
-                                            windows[l], param(l, 10), param(l, 11), eps[3 * l + 2], tree_start,
+    const at::Tensor attn = paged_attention(qkv, cos_rows, sin_rows, k_caches[l], v_caches[l], slot_mapping,
+                                            positions, qo_indptr, page_indptr, page_indices, num_heads, num_kv_heads,
+                                            scale, windows[l], param(l, 10), param(l, 11), eps[3 * l + 2], tree_start,
                                             tree_keys);
     x = linear(attn, *param(l, 3), param(l, 4), x, param(l, 13));  // + residual
     const at::Tensor mlp_hidden =
@@ -979,6 +1019,9 @@ TORCH_LIBRARY(mtp_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None, Tensor? scale=None) -> Tensor");
   m.def("linear_silu_mul(Tensor x, Tensor gate_up, Tensor? bias=None, Tensor? scale=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "mtp_input(Tensor token_ids, Tensor hidden, Tensor embed, Tensor enorm, float enorm_eps, Tensor hnorm, "
+      "float hnorm_eps, Tensor weight, Tensor? bias=None, Tensor? scale=None) -> Tensor");
   m.def("bf16_activations() -> bool", &bf16_activations);  // no tensor to dispatch on: a catch-all kernel
   m.def(
       "paged_attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
@@ -990,13 +1033,14 @@ TORCH_LIBRARY(mtp_cpu, m) {
       "decode_layers(Tensor x, Tensor?[] params, float[] eps, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
       "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor positions, Tensor qo_indptr, Tensor page_indptr, "
       "Tensor page_indices, int num_heads, int num_kv_heads, float scale, int[] windows, Tensor? tree_start=None, "
-      "Tensor? tree_keys=None, int[] keep=[]) -> Tensor[]");
+      "Tensor? tree_keys=None, int[] keep=[], bool rope_tables=False) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(mtp_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_silu_mul", &linear_silu_mul);
   m.impl("rms_norm", &rms_norm);
+  m.impl("mtp_input", &mtp_input);
   m.impl("paged_attention", &paged_attention);
   m.impl("decode_layers", &decode_layers);
 }
