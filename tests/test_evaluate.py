@@ -88,6 +88,10 @@ def test_eval_on_heldout_split_and_errors(setup):
     settings = report["settings"]  # the dtypes that ran and the machine they ran on
     assert (settings["dtype"], settings["decode_dtype"]) == ("float32", "float32")
     assert settings["precision_reason"] == "set in the recipe" and settings["cpu_capability"]
+    from mtp_train.runtime.kernels import cpu_kernels
+
+    # eval.head_decode_dtype auto: the head drafts on int8 weights where the CPU kernels serve it
+    assert settings["head_decode_weights"] == ("int8" if cpu_kernels() is not None else "float32")
     with pytest.raises(UserError, match="prompts file not found"):
         load_mt_bench(root / "missing.jsonl")
 
