@@ -472,8 +472,11 @@ def test_an_int8_target_stays_within_its_quantization_and_speculates_losslessly(
     """`target.decode_dtype: int8` serves the target's decode and verify matmuls from row-quantized int8 weights:
     its logits stay within the quantization error of fp32's, and greedy speculative decoding over it reproduces
     plain greedy decoding over it token for token."""
-    fp32, int8 = _kernel_model(tiny_dir), _kernel_model(tiny_dir, torch.int8)
-    assert int8.lm_head.small.weight.dtype == torch.int8
+    from mtp_train.runtime.precision import resolve_precision
+
+    fp32 = _kernel_model(tiny_dir)
+    int8 = load_model(tiny_dir, device="cpu", precision=resolve_precision("auto", "int8", "cpu"))  # as stages load it
+    assert int8.lm_head.small.weight.dtype == torch.int8 and int8.model.layers[0].decode_kernel.qkv.dtype == torch.int8
     ids = torch.randint(2, 96, (9,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = []
     for model in (fp32, int8):

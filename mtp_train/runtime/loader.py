@@ -12,7 +12,7 @@ from mtp_train.errors import UserError
 from mtp_train.runtime.attention import get_backend
 from mtp_train.runtime.config import ModelConfig, load_config
 from mtp_train.runtime.model import CausalLM
-from mtp_train.runtime.precision import TORCH_DTYPES, Precision, apply_decode_weights
+from mtp_train.runtime.precision import DECODE_ONLY_DTYPES, TORCH_DTYPES, Precision, apply_decode_weights
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,8 @@ def finish_loading(model: CausalLM, model_dir: Path, device: torch.device, preci
     model.eval()
     model.requires_grad_(False)
     if precision is not None:
-        resolve_dtype(precision.decode_dtype, device)
+        if precision.decode_dtype not in DECODE_ONLY_DTYPES:  # int8: checked where it was resolved (CPU kernels)
+            resolve_dtype(precision.decode_dtype, device)
         apply_decode_weights(model, precision)
     return model
 
