@@ -280,8 +280,8 @@ class DecoderLayerKernel:
         input_norm, input_eps = self.input_norm if self.input_norm is not None else (None, 0.0)
         post_norm, post_eps = self.post_norm
         tensors = [input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, post_norm, self.gate_up, self.gate_up_bias,
-                   self.down, self.down_bias, self.q_norm, self.k_norm, self.qkv_scale, self.o_scale, self.gate_up_scale,
-                   self.down_scale]
+                   self.down, self.down_bias, self.q_norm, self.k_norm,
+                   self.qkv_scale, self.o_scale, self.gate_up_scale, self.down_scale]
         return tensors, [input_eps, post_eps, self.qk_eps]
 
     def _project_add(self, x: torch.Tensor, weight: torch.Tensor, bias, scale, residual: torch.Tensor) -> torch.Tensor:

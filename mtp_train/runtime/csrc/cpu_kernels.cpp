@@ -581,8 +581,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
               x.size(1), "]");
   const int64_t rows = x.size(0), dim = x.size(1);
   at::Tensor y = at::empty({rows, dim}, x.options());
-  const float* w = weight.contiguous().data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) rms_norm_row(x.data_ptr<float>() + r * x.stride(0), w, eps, dim, y.data_ptr<float>() + r * dim);
+  const at::Tensor weight_c = weight.contiguous();  // held: a temporary's pointer would dangle
+  const float* w = weight_c.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    rms_norm_row(x.data_ptr<float>() + r * x.stride(0), w, eps, dim, y.data_ptr<float>() + r * dim);
   return y;
 }
 
@@ -603,7 +605,8 @@ at::Tensor mtp_input(const at::Tensor& token_ids, const at::Tensor& hidden, cons
   TORCH_CHECK(enorm.scalar_type() == at::kFloat && hnorm.scalar_type() == at::kFloat && enorm.numel() == d &&
                   hnorm.numel() == d && enorm.is_contiguous() && hnorm.is_contiguous(),
               "norm weights must be contiguous float32 [", d, "]");
-  const int64_t* ids = token_ids.contiguous().data_ptr<int64_t>();
+  const at::Tensor ids_c = token_ids.contiguous();  // held: a temporary's pointer would dangle
+  const int64_t* ids = ids_c.data_ptr<int64_t>();
   const int64_t vocab = embed.size(0);
   at::Tensor joined = at::empty({T, 2 * d}, hidden.options());
   float* out = joined.data_ptr<float>();
@@ -965,8 +968,8 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
 // (see linear_silu_mul), its bias [inter, 2], down projection weight, its bias, q_norm and k_norm weights (None when
 // the model has none), then the scales of the four weights when they are int8 (else None). With `rope_tables`, cos
 // and sin are tables of positions 0..L-1 ([L, head_dim]) whose rows at `positions` are taken here; else the rows
-// themselves ([T, head_dim]). eps: per layer (input norm, post-attention norm, q/k norm). windows: per layer sliding window
-// (0 = none). keep: layers (0-based) whose outputs are returned after the last one's.
+// themselves ([T, head_dim]). eps: per layer (input norm, post-attention norm, q/k norm). windows: per layer sliding
+// window (0 = none). keep: layers (0-based) whose outputs are returned after the last one's.
 constexpr int64_t kStackParams = 16;
 
 std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c10::optional<at::Tensor>>& params,
@@ -981,7 +984,8 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c1
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kStackParams, "params: expected ",
               kStackParams, " per layer for ", num_layers, " layers, got ", params.size());
-  TORCH_CHECK(static_cast<int64_t>(eps.size()) == 3 * num_layers && static_cast<int64_t>(windows.size()) == num_layers &&
+  TORCH_CHECK(static_cast<int64_t>(eps.size()) == 3 * num_layers &&
+                  static_cast<int64_t>(windows.size()) == num_layers &&
                   static_cast<int64_t>(v_caches.size()) == num_layers,
               "eps (3 per layer), windows and v_caches must cover every layer");
   auto param = [&](int64_t layer, int64_t slot) -> c10::optional<at::Tensor> {
@@ -989,9 +993,9 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c1
   };
   std::vector<at::Tensor> outputs(1);
   at::Tensor x = x_in.contiguous();
-  if (rope_tables) {
-    TORCH_CHECK(positions.numel() == 0 || positions.max().item<int64_t>() < cos.size(0), "position ",
-                positions.numel() ? positions.max().item<int64_t>() : 0, " past the rotary tables' ", cos.size(0), " rows");
+  if (rope_tables && positions.numel() > 0) {
+    const int64_t last = positions.max().item<int64_t>();
+    TORCH_CHECK(last < cos.size(0), "position ", last, " past the rotary tables' ", cos.size(0), " rows");
   }
   const at::Tensor cos_rows = rope_tables ? cos.index_select(0, positions) : cos;
   const at::Tensor sin_rows = rope_tables ? sin.index_select(0, positions) : sin;
