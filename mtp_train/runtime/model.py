@@ -80,8 +80,8 @@ class RotaryEmbedding(nn.Module):
         return cos[positions], sin[positions]
 
     def cpu_tables(self, dtype: torch.dtype, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The CPU tables [L, head_dim] of positions 0..L-1 (L ≥ `needed`, a power of two ≥ 256) in `dtype`, grown on
-        demand and kept: what `forward` reads rows of, and what the decode kernels take whole
+        """The CPU tables [L, head_dim] of positions 0..L-1 (L ≥ `needed`, a power of two ≥ 256) in `dtype`, grown
+        on demand and kept: what `forward` reads rows of, and what the decode kernels take whole
         (`run_decoder_layers`)."""
         cached = self._cache.get(dtype)
         if cached is None or cached[0].shape[0] < needed:

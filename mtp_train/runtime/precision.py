@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Decode weights may also be weight-only int8 (one scale per output row, `cpu_decode.quantize_rows`): a quarter of fp32's
-# bytes, through the CPU decode kernels only (they read an fp32 model); never a compute dtype.
+# Decode weights may also be weight-only int8 (one scale per output row, `cpu_decode.quantize_rows`): a quarter of
+# fp32's bytes, through the CPU decode kernels only (they read an fp32 model); never a compute dtype.
 DECODE_ONLY_DTYPES = {"int8": torch.int8}
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 PROBE_FORMAT_VERSION = 4  # 3: bf16 timed through the CPU decode kernels where built; 4: + torch's bf16 matmul
@@ -312,6 +312,7 @@ def apply_decode_weights(model: nn.Module, precision: Precision) -> nn.Module:
             # verify of k + 1 tokens for up to 8 sequences, a tree of up to 31 nodes); a plain decode batch of 17-32
             # sequences reads them too, and is not slower for it (Zen 4, batch 32: 586 decode tok/s on the bf16
             # dot-product kernels against 469 on the bf16 GEMMs, scripts/bench_decode.py).
+            # int8 decode weights likewise: above `rows` the fp32 GEMMs would round differently from them.
             rows = max(rows, EXACT_VERIFY_ROWS)
         return apply_decode_path(model, precision.decode_torch_dtype, rows)
     return apply_decode_path(model, precision.torch_dtype, KERNEL_MAX_ROWS)
@@ -334,7 +335,8 @@ def apply_head_decode_weights(head: nn.Module, precision: Precision, head_decode
     from mtp_train.runtime.kernels import cpu_kernels, unavailable_reason
 
     if head_decode_dtype not in HEAD_DECODE_DTYPES:
-        raise UserError(f"eval.head_decode_dtype: {head_decode_dtype!r}; expected one of {', '.join(HEAD_DECODE_DTYPES)}")
+        raise UserError(f"eval.head_decode_dtype: {head_decode_dtype!r}; expected one of "
+                        f"{', '.join(HEAD_DECODE_DTYPES)}")
     weight = next(head.parameters())
     kernels_serve = weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels() is not None
     if head_decode_dtype == "int8" and not kernels_serve:
