@@ -286,6 +286,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     names = [name for name in PATHS if name in args.paths or name == "auto"]
+    from mtp_train.runtime.kernels import cpu_kernels, unavailable_reason
+
+    if "int8" in names and cpu_kernels() is None:  # int8 decode weights run through the CPU decode kernels only
+        print(f"int8 path skipped: the CPU decode kernels are unavailable ({unavailable_reason()})")
+        names.remove("int8")
 
     from transformers import AutoModelForCausalLM
 
