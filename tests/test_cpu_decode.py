@@ -184,17 +184,20 @@ def test_greedy_speculative_equals_plain_greedy_through_the_kernels(ops, tiny_di
     assert stats.accepted_tokens > 0  # a last-layer head agrees with its target now and then
 
 
+def _verify_logits(model) -> torch.Tensor:
+    """The logits of a verify of 3 tokens after a 6-token prefill (fixed random ids), on a fresh cache."""
+    ids = torch.randint(2, 96, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    allocator = PageAllocator(8, page_size=4)
+    cache, seq = model.new_kv_cache(allocator), Sequence(0)
+    model(torch.tensor(ids[:6]), BatchInfo.for_sequences([seq], [6], allocator), cache)
+    return model(torch.tensor(ids[6:]), BatchInfo.for_sequences([seq], [3], allocator), cache).logits
+
+
 def test_bf16_decode_weights_stay_within_bf16_rounding(ops, tiny_dir):
     fp32, bf16 = _kernel_model(tiny_dir), _kernel_model(tiny_dir, torch.bfloat16)
-    ids = torch.randint(2, 96, (9,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = []
-    for model in (fp32, bf16):
-        allocator = PageAllocator(8, page_size=4)
-        cache, seq = model.new_kv_cache(allocator), Sequence(0)
-        model(torch.tensor(ids[:6]), BatchInfo.for_sequences([seq], [6], allocator), cache)
-        logits.append(model(torch.tensor(ids[6:]), BatchInfo.for_sequences([seq], [3], allocator), cache).logits)
-    difference = (logits[0] - logits[1]).abs().max()
-    assert 0 < difference <= 0.02 * logits[0].abs().max()  # really the bf16 copy, and only its rounding
+    reference, logits = _verify_logits(fp32), _verify_logits(bf16)
+    difference = (reference - logits).abs().max()
+    assert 0 < difference <= 0.02 * reference.abs().max()  # really the bf16 copy, and only its rounding
 
 
 def test_without_kernels_the_small_row_linear_falls_back_to_torch(monkeypatch):
@@ -477,15 +480,9 @@ def test_an_int8_target_stays_within_its_quantization_and_speculates_losslessly(
     fp32 = _kernel_model(tiny_dir)
     int8 = load_model(tiny_dir, device="cpu", precision=resolve_precision("auto", "int8", "cpu"))  # as stages load it
     assert int8.lm_head.small.weight.dtype == torch.int8 and int8.model.layers[0].decode_kernel.qkv.dtype == torch.int8
-    ids = torch.randint(2, 96, (9,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = []
-    for model in (fp32, int8):
-        allocator = PageAllocator(8, page_size=4)
-        cache, seq = model.new_kv_cache(allocator), Sequence(0)
-        model(torch.tensor(ids[:6]), BatchInfo.for_sequences([seq], [6], allocator), cache)
-        logits.append(model(torch.tensor(ids[6:]), BatchInfo.for_sequences([seq], [3], allocator), cache).logits)
-    difference = (logits[0] - logits[1]).abs().max()
-    assert 0 < difference <= 0.05 * logits[0].abs().max()  # really the int8 copy, and only its rounding
+    reference, logits = _verify_logits(fp32), _verify_logits(int8)
+    difference = (reference - logits).abs().max()
+    assert 0 < difference <= 0.05 * reference.abs().max()  # really the int8 copy, and only its rounding
     torch.manual_seed(0)
     head = DraftHead.from_target(int8, HeadConfig.for_target(int8.config, kind="mtp", init="last_layer"))
     apply_decode_path(head, torch.bfloat16, KERNEL_MAX_ROWS)

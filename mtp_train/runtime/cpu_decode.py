@@ -379,18 +379,18 @@ class DecodeStack:
         return (batch.uses_cache and x.shape[0] <= self.max_rows and DecoderLayerKernel.few_per_sequence(batch)
                 and (batch.tree_masks is None or tree_key_tables(batch) is not None))
 
-    def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, kv_cache, keep: tuple[int, ...] = (),
-                 rope_tables: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, kv_cache,
+                 keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """[T, hidden] fp32 -> (the last layer's output [T, hidden], {layer id: its output} for the layers in
-        `keep`). cos/sin: the rows of the batch's positions [T, head_dim], or with `rope_tables` the tables of
-        positions 0..L-1 (the kernel takes the rows)."""
+        `keep`). cos/sin: the rotary tables of positions 0..L-1 (`RotaryEmbedding.cpu_tables`; the kernel takes the
+        batch's rows)."""
         tree_start, tree_keys = tree_key_tables(batch) if batch.tree_masks is not None else (None, None)
+        keep = sorted(keep)
         outputs = self.ops.decode_layers(
             x, self.params, self.eps, [k for k, _ in kv_cache.layers], [v for _, v in kv_cache.layers], cos, sin,
             batch.slot_mapping, batch.positions, batch.qo_indptr, batch.kv_page_indptr, batch.kv_page_indices,
-            self.num_heads, self.num_kv_heads, self.scale, self.windows, tree_start, tree_keys, sorted(keep),
-            rope_tables)
-        return outputs[0], dict(zip(sorted(keep), outputs[1:]))
+            self.num_heads, self.num_kv_heads, self.scale, self.windows, tree_start, tree_keys, keep)
+        return outputs[0], dict(zip(keep, outputs[1:]))
 
 
 def tree_key_tables(batch: BatchInfo) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -176,7 +176,7 @@ def run_decoder_layers(layers: nn.ModuleList, x: torch.Tensor, rotary: RotaryEmb
     stack = layers.__dict__.get("decode_stack")
     if stack is not None and kv_cache is not None and stack.serves(x, batch):
         cos, sin = rotary.cpu_tables(x.dtype, max(batch.kv_lens))
-        return stack(x, cos, sin, batch, kv_cache, tuple(j for j in aux_layers if j < len(layers)), rope_tables=True)
+        return stack(x, cos, sin, batch, kv_cache, tuple(j for j in aux_layers if j < len(layers)))
     cos, sin = rotary(batch.positions, x.dtype)
     aux_hidden: dict[int, torch.Tensor] = {}
     for layer_id, layer in enumerate(layers):

@@ -966,9 +966,8 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
 // params: kStackParams optional tensors per layer, in this order: input norm weight (None: no input norm), fused
 // q/k/v weight, its bias, output projection weight, its bias, post-attention norm weight, packed gate_up weight
 // (see linear_silu_mul), its bias [inter, 2], down projection weight, its bias, q_norm and k_norm weights (None when
-// the model has none), then the scales of the four weights when they are int8 (else None). With `rope_tables`, cos
-// and sin are tables of positions 0..L-1 ([L, head_dim]) whose rows at `positions` are taken here; else the rows
-// themselves ([T, head_dim]). eps: per layer (input norm, post-attention norm, q/k norm). windows: per layer sliding
+// the model has none), then the scales of the four weights when they are int8 (else None). cos and sin are the
+// rotary tables of positions 0..L-1 ([L, head_dim]); the rows at `positions` are taken here. eps: per layer (input norm, post-attention norm, q/k norm). windows: per layer sliding
 // window (0 = none). keep: layers (0-based) whose outputs are returned after the last one's.
 constexpr int64_t kStackParams = 16;
 
@@ -979,8 +978,7 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c1
                                       const at::Tensor& page_indptr, const at::Tensor& page_indices, int64_t num_heads,
                                       int64_t num_kv_heads, double scale, at::IntArrayRef windows,
                                       const c10::optional<at::Tensor>& tree_start,
-                                      const c10::optional<at::Tensor>& tree_keys, at::IntArrayRef keep,
-                                      bool rope_tables) {
+                                      const c10::optional<at::Tensor>& tree_keys, at::IntArrayRef keep) {
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kStackParams, "params: expected ",
               kStackParams, " per layer for ", num_layers, " layers, got ", params.size());
@@ -993,12 +991,12 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c1
   };
   std::vector<at::Tensor> outputs(1);
   at::Tensor x = x_in.contiguous();
-  if (rope_tables && positions.numel() > 0) {
+  if (positions.numel() > 0) {
     const int64_t last = positions.max().item<int64_t>();
     TORCH_CHECK(last < cos.size(0), "position ", last, " past the rotary tables' ", cos.size(0), " rows");
   }
-  const at::Tensor cos_rows = rope_tables ? cos.index_select(0, positions) : cos;
-  const at::Tensor sin_rows = rope_tables ? sin.index_select(0, positions) : sin;
+  const at::Tensor cos_rows = cos.index_select(0, positions);
+  const at::Tensor sin_rows = sin.index_select(0, positions);
   for (int64_t l = 0; l < num_layers; ++l) {
     const c10::optional<at::Tensor> input_norm = param(l, 0);
     const at::Tensor h = input_norm.has_value() ? rms_norm(x, *input_norm, eps[3 * l]) : x;
@@ -1037,7 +1035,7 @@ TORCH_LIBRARY(mtp_cpu, m) {
       "decode_layers(Tensor x, Tensor?[] params, float[] eps, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
       "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor positions, Tensor qo_indptr, Tensor page_indptr, "
       "Tensor page_indices, int num_heads, int num_kv_heads, float scale, int[] windows, Tensor? tree_start=None, "
-      "Tensor? tree_keys=None, int[] keep=[], bool rope_tables=False) -> Tensor[]");
+      "Tensor? tree_keys=None, int[] keep=[]) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(mtp_cpu, CPU, m) {
