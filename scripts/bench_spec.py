@@ -14,8 +14,10 @@ Paths (each with its own target, weight copies and head):
    README/docs in one user message; the token counts are printed): one target decode step (ms); the bytes it streams
    (the decoder layers' and lm_head's weights in the dtype that path's few-row forward reads, plus the K/V history:
    2 × layers × kv_len × kv_heads × head_dim × cache element size) over its time, as a fraction of the read bandwidth
-   measured in this process right before the profile; verify of n = 2, 4, 8 tokens relative to one decode step; one
-   head draft step relative to one decode step (short prompt).
+   (a sum over a 256 MiB buffer, timed in the same interleaved rounds as the steps: the machine's read rate drifts
+   between ~35 and ~65 GB/s within seconds, so a rate measured at another moment gives fractions from 0.5 to 1.3 for
+   the same decode step); verify of n = 2, 4, 8 tokens relative to one decode step; one head draft step relative to
+   one decode step (short prompt).
 2. Speculative speed on MT-bench prompts (`auto` path; the slower paths would take too long): transformers
    `generate` and its prompt lookup (in the dtype of our decode weights), our plain decode on the `auto` and `torch`
    paths, our MTP speculative decode at each k and our prompt lookup; tokens/s, ratios and τ.
@@ -27,9 +29,7 @@ Ends with one `RESULT` line: `decode_bw_frac`, `verify4_over_decode` (auto, shor
 MTP k over auto plain), `long_decode_over_short` (auto), per-path figures and the machine.
 
 Wall time on the 2-core AVX2 Zen 3 (idle): `--quick` (2 prompts, 48 new tokens, k = 1 and 3, fewer repeats) about
-3 minutes; the full run (6 prompts, 128 new tokens, k = 1..4) about 12. The read bandwidth is measured before and
-after the profile and the higher figure is the one fractions are taken of. The machine is shared: when the two differ
-by more than 25% the script says the figures are noisy."""
+3 minutes; the full run (6 prompts, 128 new tokens, k = 1..4) about 12."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PATHS = ("torch", "kernels-fp32", "auto", "int8")
 VERIFY_ROWS = (2, 4, 8)
+READ_BUFFER_BYTES = 256 * 2**20  # the buffer whose sum measures the read bandwidth (far larger than the caches)
 PROMPT_INSTRUCTION = "Summarize the text above in three sentences."
 
 
@@ -68,6 +69,7 @@ class StepProfile:
     weight_bytes: int  # weights one decode step reads
     kv_bytes: int  # K/V history one decode step reads
     head_seconds: float | None  # one head draft step (short prompt only)
+    read_gbs: float  # the machine's read bandwidth, timed in the same rounds as the steps
 
     @property
     def decode_seconds(self) -> float:
@@ -78,8 +80,9 @@ class StepProfile:
         """Bytes one decode step reads over its time, GB/s."""
         return (self.weight_bytes + self.kv_bytes) / self.decode_seconds / 1e9
 
-    def bandwidth_fraction(self, bandwidth_gbs: float) -> float:
-        return self.streamed_gbs / bandwidth_gbs
+    @property
+    def bandwidth_fraction(self) -> float:
+        return self.streamed_gbs / self.read_gbs
 
     def verify_over_decode(self, n: int) -> float:
         return self.step_seconds[n] / self.decode_seconds
@@ -199,23 +202,27 @@ def kv_bytes_per_step(target, kv_len: int) -> int:
 def profile_path(path: DecodePath, prompt: str, ids: list[int], repeats: int, with_head: bool) -> StepProfile:
     from mtp_train.runtime.spec.costs import head_step_seconds, target_step_seconds
 
-    steps = target_step_seconds(path.target, ids, [1, *VERIFY_ROWS], repeats=repeats)
+    buffer = torch.ones(READ_BUFFER_BYTES // 4, dtype=torch.float32)
+    steps = target_step_seconds(path.target, ids, [1, *VERIFY_ROWS], repeats=repeats, beside={"read": buffer.sum})
+    read_gbs = READ_BUFFER_BYTES / steps.pop("read") / 1e9
     head = head_step_seconds(path.target, path.head, ids, repeats=3 * repeats) if with_head else None
     return StepProfile(path.name, prompt, len(ids), steps, weight_bytes_per_step(path.target),
-                       kv_bytes_per_step(path.target, len(ids) + 1), head)
+                       kv_bytes_per_step(path.target, len(ids) + 1), head, read_gbs)
 
 
-def print_profiles(profiles: list[StepProfile], bandwidth_gbs: float) -> None:
+def print_profiles(profiles: list[StepProfile]) -> None:
     print(f"\n{'path':13s} {'prompt':>6s} {'tokens':>6s} {'decode ms':>9s} {'weights MB':>10s} {'K/V MB':>7s} "
-          f"{'GB/s':>5s} {'bw frac':>7s} " + " ".join(f"{f'verify{n}':>7s}" for n in VERIFY_ROWS) + f" {'head':>5s}")
+          f"{'GB/s':>5s} {'read':>5s} {'bw frac':>7s} " + " ".join(f"{f'verify{n}':>7s}" for n in VERIFY_ROWS)
+          + f" {'head':>5s}")
     for p in profiles:
         head = f"{p.head_over_decode:5.2f}" if p.head_over_decode is not None else f"{'-':>5s}"
         print(f"{p.path:13s} {p.prompt:>6s} {p.prompt_tokens:6d} {p.decode_seconds * 1e3:9.1f} "
-              f"{p.weight_bytes / 1e6:10.1f} {p.kv_bytes / 1e6:7.1f} {p.streamed_gbs:5.1f} "
-              f"{p.bandwidth_fraction(bandwidth_gbs):7.2f} "
+              f"{p.weight_bytes / 1e6:10.1f} {p.kv_bytes / 1e6:7.1f} {p.streamed_gbs:5.1f} {p.read_gbs:5.1f} "
+              f"{p.bandwidth_fraction:7.2f} "
               + " ".join(f"{p.verify_over_decode(n):7.2f}" for n in VERIFY_ROWS) + f" {head}")
-    print(f"(verifyN and head: seconds relative to one decode step of the same path and prompt; bw frac: (weights + "
-          f"K/V) / decode time / {bandwidth_gbs:.1f} GB/s)")
+    print("(verifyN and head: seconds relative to one decode step of the same path and prompt; GB/s: (weights + K/V) "
+          "/ decode time; read: the machine's read bandwidth (a sum over a 256 MiB fp32 buffer) timed in the same "
+          "rounds as the steps; bw frac: GB/s / read)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,7 +304,7 @@ def main() -> None:
     from mtp_train.assets import ensure_default_model
     from mtp_train.runtime.chat import encode_chat, stop_token_ids
     from mtp_train.runtime.generate import generate
-    from mtp_train.runtime.hardware import machine_fields, measure_read_bandwidth_gbs
+    from mtp_train.runtime.hardware import machine_fields
     from mtp_train.runtime.loader import load_tokenizer
     from mtp_train.runtime.precision import resolve_precision
     from mtp_train.runtime.spec import PromptLookup, speculative_generate
@@ -321,25 +328,13 @@ def main() -> None:
     short_ids, short_what = build_long_prompt(tokenizer, sources, args.short_tokens)
     long_ids, long_what = build_long_prompt(tokenizer, sources, args.long_tokens)
     print(f"profile prompts: short {short_what}; long {long_what}")
-    bandwidth_before = measure_read_bandwidth_gbs()
-    print(f"read bandwidth measured right before the profile (sum over a 256 MiB fp32 buffer, best time): "
-          f"{bandwidth_before:.1f} GB/s")
     profiles: dict[tuple[str, str], StepProfile] = {}
     for path in paths:
         started = time.perf_counter()
         profiles[path.name, "short"] = profile_path(path, "short", short_ids, repeats_short, with_head=True)
         profiles[path.name, "long"] = profile_path(path, "long", long_ids, repeats_long, with_head=False)
         print(f"  {path.name} profiled in {time.perf_counter() - started:.1f} s")
-    bandwidth_after = measure_read_bandwidth_gbs()
-    # The machine's read rate is the best one seen: a shared machine only ever slows a measurement down (on a Zen 4
-    # the same sum read 32-34 GB/s right after the models were loaded and 54-57 GB/s after the profile).
-    bandwidth = max(bandwidth_before, bandwidth_after)
-    print(f"read bandwidth measured again after the profile: {bandwidth_after:.1f} GB/s; the higher of the two, "
-          f"{bandwidth:.1f} GB/s, is the figure every bw frac uses")
-    print_profiles(list(profiles.values()), bandwidth)
-    if abs(bandwidth_after - bandwidth_before) > 0.25 * bandwidth:
-        print("warning: the read bandwidth changed by more than 25% during the profile: the machine is shared and was "
-              "busy, so the step times above are noisy (the kernels' threads wait on each other when a core is taken)")
+    print_profiles(list(profiles.values()))
 
     # 2. speculative speed, MT-bench prompts
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
@@ -424,13 +419,13 @@ def main() -> None:
     # 3. RESULT
     short, long = profiles["auto", "short"], profiles["auto", "long"]
     fields = {
-        "decode_bw_frac": f"{short.bandwidth_fraction(bandwidth):.3f}",
+        "decode_bw_frac": f"{short.bandwidth_fraction:.3f}",
         "verify4_over_decode": f"{short.verify_over_decode(4):.3f}",
         "speedup_best": f"{totals[best].tokens_per_second / plain_tps:.3f}",
         "long_decode_over_short": f"{long.decode_seconds / short.decode_seconds:.3f}",
         "auto_decode_ms": f"{short.decode_seconds * 1e3:.2f}",
         "auto_long_decode_ms": f"{long.decode_seconds * 1e3:.2f}",
-        "auto_long_bw_frac": f"{long.bandwidth_fraction(bandwidth):.3f}",
+        "auto_long_bw_frac": f"{long.bandwidth_fraction:.3f}",
         "auto_verify2_over_decode": f"{short.verify_over_decode(2):.3f}",
         "auto_verify8_over_decode": f"{short.verify_over_decode(8):.3f}",
         "auto_long_verify4_over_decode": f"{long.verify_over_decode(4):.3f}",
@@ -441,7 +436,7 @@ def main() -> None:
             key, p = name.replace("-", "_"), profiles[name, "short"]
             fields[f"{key}_decode_ms"] = f"{p.decode_seconds * 1e3:.2f}"
             fields[f"{key}_long_decode_ms"] = f"{profiles[name, 'long'].decode_seconds * 1e3:.2f}"
-            fields[f"{key}_decode_bw_frac"] = f"{p.bandwidth_fraction(bandwidth):.3f}"
+            fields[f"{key}_decode_bw_frac"] = f"{p.bandwidth_fraction:.3f}"
             fields[f"{key}_verify4_over_decode"] = f"{p.verify_over_decode(4):.3f}"
     fields |= {
         "best_mtp_k": best.removeprefix("auto_mtp_k"),
@@ -462,9 +457,8 @@ def main() -> None:
     fields |= {
         "short_prompt_tokens": str(short.prompt_tokens),
         "long_prompt_tokens": str(long.prompt_tokens),
-        "bandwidth_gbs": f"{bandwidth:.2f}",
-        "bandwidth_before_gbs": f"{bandwidth_before:.2f}",
-        "bandwidth_after_gbs": f"{bandwidth_after:.2f}",
+        "bandwidth_gbs": f"{short.read_gbs:.2f}",
+        "long_bandwidth_gbs": f"{long.read_gbs:.2f}",
         "wall_s": f"{time.perf_counter() - run_started:.0f}",
         "threads": str(torch.get_num_threads()),
         "decode_dtype": precision.decode_dtype,

@@ -90,17 +90,20 @@ def cuda_devices() -> list[CudaDevice]:
     return devices
 
 
-def best_seconds(fn, budget_s: float) -> float:
-    """Best-of seconds per call of `fn` within about `budget_s` (two warm-up calls first)."""
+def best_seconds(fn, budget_s: float, min_calls: int = 3) -> float:
+    """Best-of seconds per call of `fn` within about `budget_s`, over at least `min_calls` timed calls (two warm-up
+    calls first)."""
     fn()
     fn()
     best = float("inf")
     deadline = time.perf_counter() + budget_s
+    calls = 0
     while True:
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
-        if time.perf_counter() >= deadline:
+        calls += 1
+        if calls >= min_calls and time.perf_counter() >= deadline:
             return best
 
 

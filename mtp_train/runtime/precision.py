@@ -50,7 +50,8 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # fp32's bytes, through the CPU decode kernels only (they read an fp32 model); never a compute dtype.
 DECODE_ONLY_DTYPES = {"int8": torch.int8}
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
-PROBE_FORMAT_VERSION = 4  # 3: bf16 timed through the CPU decode kernels where built; 4: + torch's bf16 matmul
+PROBE_FORMAT_VERSION = 5  # 3: bf16 timed through the CPU decode kernels where built; 4: + torch's bf16 matmul;
+#                           5: best of two rounds
 
 
 @dataclass(frozen=True)
@@ -107,17 +108,24 @@ def time_decode_matmuls(rows_list=PROBE_ROWS, budget_s: float = 0.08) -> dict[in
     generator = torch.Generator().manual_seed(0)
     weights32 = [torch.randn(1536, 576, generator=generator) for _ in range(48)]
     weights16 = [w.to(torch.bfloat16) for w in weights32]
-    result: dict[int, dict[str, float]] = {}
-    for rows in rows_list:
-        x = torch.randn(rows, 576, generator=generator)
-        fp32 = best_seconds(lambda: [F.linear(x, w) for w in weights32], budget_s)
-        if ops is not None:
-            bf16 = best_seconds(lambda: [ops.linear(x, w, None, None) for w in weights16], budget_s)
-        else:
-            bf16 = best_seconds(lambda: [F.linear(x.to(torch.bfloat16), w).float() for w in weights16], budget_s)
-        x16 = x.to(torch.bfloat16)
-        bf16_torch = best_seconds(lambda: [F.linear(x16, w) for w in weights16], budget_s)
-        result[rows] = {"float32": fp32, "bfloat16": bf16, "bfloat16_torch": bf16_torch}
+    inputs = {rows: torch.randn(rows, 576, generator=generator) for rows in rows_list}
+    result: dict[int, dict[str, float]] = {rows: {} for rows in rows_list}
+    # Two rounds over every row count, keeping each contender's best: the decision is cached for the machine, and one
+    # stall of a shared machine during a single timing (once seen: 380 ms for a 4 ms pass at 2 rows, which capped the
+    # bf16 decode weights at 1 row and sent every verify to the fp32 weights) must not decide it.
+    for _ in range(2):
+        for rows in rows_list:
+            x = inputs[rows]
+            x16 = x.to(torch.bfloat16)
+            times = {"float32": best_seconds(lambda: [F.linear(x, w) for w in weights32], budget_s)}
+            if ops is not None:
+                times["bfloat16"] = best_seconds(lambda: [ops.linear(x, w, None, None) for w in weights16], budget_s)
+            else:
+                times["bfloat16"] = best_seconds(lambda: [F.linear(x.to(torch.bfloat16), w).float() for w in weights16],
+                                                budget_s)
+            times["bfloat16_torch"] = best_seconds(lambda: [F.linear(x16, w) for w in weights16], budget_s)
+            for name, seconds in times.items():
+                result[rows][name] = min(seconds, result[rows].get(name, float("inf")))
     return result
 
 

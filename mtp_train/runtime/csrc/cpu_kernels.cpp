@@ -160,14 +160,12 @@ inline float exp_minus_max(float* v, int64_t n, float max_value) {
 // ------------------------------------------------------------------------------------------------------------------
 
 constexpr int64_t kPrefetchBytes = 16384;  // how far ahead of the weight stream to prefetch (1-4 KB: no effect)
-// Into L1 on AVX2 CPUs (tuned on a Zen 3); into L2 in the AVX-512 build: on a Zen 4 with the bf16 dot products, a
-// verify of 4 rows took 15.8 ms against 20.6 ms when prefetching into L1 (the decode step 13.0 against 14.4 ms;
-// SmolLM2, 2 threads, medians of 60 steps each, the builds alternated in one process).
-#if MTP_AVX512
+// Into L2, not L1: 16 KB of prefetched weights beside a few rows of fp32 activations (4 rows of the down projection's
+// 1,536 inputs are 24 KB) overflow a 32 KB L1. On a Zen 4, the AVX2 build streaming 265 MB of bf16 weights
+// (GB/s, L1 -> L2 hint): 1 row 32.0 -> 32.6, 3 rows 24.2 -> 34.1, 4 rows 21.2 -> 27.4 (576 inputs), 21.2 -> 33.0
+// (1,536 inputs); the AVX-512 build with the bf16 dot products: a verify of 4 rows 20.6 -> 15.8 ms, the decode step
+// 14.4 -> 13.0 ms (SmolLM2, 2 threads, the variants alternated in one process).
 #define MTP_PREFETCH_HINT _MM_HINT_T1
-#else
-#define MTP_PREFETCH_HINT _MM_HINT_T0
-#endif
 
 #if MTP_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }

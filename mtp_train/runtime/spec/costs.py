@@ -69,8 +69,11 @@ def interleaved_best_seconds(fns: dict, repeats: int, rounds: int = 3, between=N
 
 
 @torch.inference_mode()
-def target_step_seconds(target, prompt_ids: list[int], n_tokens: list[int], repeats: int = 20) -> dict[int, float]:
-    """{n: seconds of one target forward over n new tokens} after the prompt is in the cache."""
+def target_step_seconds(target, prompt_ids: list[int], n_tokens: list[int], repeats: int = 20,
+                        beside: dict | None = None) -> dict:
+    """{n: seconds of one target forward over n new tokens} after the prompt is in the cache. `beside`: {name: fn}
+    timed in the same interleaved rounds (e.g. a read of a large buffer, so that a fraction of the machine's read
+    bandwidth compares figures measured in the same moments), their seconds per call returned under their names."""
     allocator = PageAllocator(_pages(prompt_ids, max(n_tokens)), 16)
     cache, seq = target.new_kv_cache(allocator), Sequence(0)
     target(torch.tensor(prompt_ids), BatchInfo.for_sequences([seq], [len(prompt_ids)], allocator), cache)
@@ -79,7 +82,7 @@ def target_step_seconds(target, prompt_ids: list[int], n_tokens: list[int], repe
         target(torch.tensor(prompt_ids[:n]), BatchInfo.for_sequences([seq], [n], allocator, advance=False), cache)
         _synchronize(target.device)
 
-    return interleaved_best_seconds({n: (lambda n=n: step(n)) for n in n_tokens}, repeats, rounds=5)
+    return interleaved_best_seconds({n: (lambda n=n: step(n)) for n in n_tokens} | (beside or {}), repeats, rounds=5)
 
 
 @torch.inference_mode()
