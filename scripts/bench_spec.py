@@ -17,7 +17,8 @@ Paths (each with its own target, weight copies and head):
    (a sum over a 256 MiB buffer, timed in the same interleaved rounds as the steps: the machine's read rate drifts
    between ~35 and ~65 GB/s within seconds, so a rate measured at another moment gives fractions from 0.5 to 1.3 for
    the same decode step); verify of n = 2, 4, 8 tokens relative to one decode step; one head draft step relative to
-   one decode step (short prompt).
+   one decode step (short prompt). Fractions and verify ratios are taken within each of 5 rounds (the same moment of
+   the machine), their median reported; decode ms and the read rate are the best round's.
 2. Speculative speed on MT-bench prompts (`auto` path; the slower paths would take too long): transformers
    `generate` and its prompt lookup (in the dtype of our decode weights), our plain decode on the `auto` and `torch`
    paths, our MTP speculative decode at each k and our prompt lookup; tokens/s, ratios and τ.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +67,21 @@ class StepProfile:
     path: str
     prompt: str  # "short" | "long"
     prompt_tokens: int
-    step_seconds: dict[int, float]  # {tokens in the forward: seconds}; 1 = a decode step, n > 1 = a verify of n
+    step_rounds: dict[int, list[float]]  # {tokens in the forward: seconds per round}; 1 = a decode step, n > 1 a verify
     weight_bytes: int  # weights one decode step reads
     kv_bytes: int  # K/V history one decode step reads
     head_seconds: float | None  # one head draft step (short prompt only)
-    read_gbs: float  # the machine's read bandwidth, timed in the same rounds as the steps
+    read_rounds: list[float]  # seconds of one read of READ_BUFFER_BYTES, in the same rounds as the steps
+
+    @property
+    def step_seconds(self) -> dict[int, float]:
+        """{tokens in the forward: its best round}."""
+        return {n: min(times) for n, times in self.step_rounds.items()}
+
+    @property
+    def read_gbs(self) -> float:
+        """The machine's read bandwidth: the best round of the read."""
+        return READ_BUFFER_BYTES / min(self.read_rounds) / 1e9
 
     @property
     def decode_seconds(self) -> float:
@@ -82,10 +94,14 @@ class StepProfile:
 
     @property
     def bandwidth_fraction(self) -> float:
-        return self.streamed_gbs / self.read_gbs
+        """Decode GB/s over read GB/s within each round (the same moment of the machine), the median over rounds."""
+        step_bytes = self.weight_bytes + self.kv_bytes
+        return statistics.median(step_bytes / one_s / (READ_BUFFER_BYTES / read_s)
+                                 for one_s, read_s in zip(self.step_rounds[1], self.read_rounds))
 
     def verify_over_decode(self, n: int) -> float:
-        return self.step_seconds[n] / self.decode_seconds
+        """A verify of n tokens over a decode step within each round, the median over rounds."""
+        return statistics.median(n_s / one_s for n_s, one_s in zip(self.step_rounds[n], self.step_rounds[1]))
 
     @property
     def head_over_decode(self) -> float | None:
@@ -200,14 +216,14 @@ def kv_bytes_per_step(target, kv_len: int) -> int:
 
 
 def profile_path(path: DecodePath, prompt: str, ids: list[int], repeats: int, with_head: bool) -> StepProfile:
-    from mtp_train.runtime.spec.costs import head_step_seconds, target_step_seconds
+    from mtp_train.runtime.spec.costs import head_step_seconds, target_step_rounds
 
     buffer = torch.ones(READ_BUFFER_BYTES // 4, dtype=torch.float32)
-    steps = target_step_seconds(path.target, ids, [1, *VERIFY_ROWS], repeats=repeats, beside={"read": buffer.sum})
-    read_gbs = READ_BUFFER_BYTES / steps.pop("read") / 1e9
+    rounds = target_step_rounds(path.target, ids, [1, *VERIFY_ROWS], repeats=repeats, beside={"read": buffer.sum})
+    read_rounds = rounds.pop("read")
     head = head_step_seconds(path.target, path.head, ids, repeats=3 * repeats) if with_head else None
-    return StepProfile(path.name, prompt, len(ids), steps, weight_bytes_per_step(path.target),
-                       kv_bytes_per_step(path.target, len(ids) + 1), head, read_gbs)
+    return StepProfile(path.name, prompt, len(ids), rounds, weight_bytes_per_step(path.target),
+                       kv_bytes_per_step(path.target, len(ids) + 1), head, read_rounds)
 
 
 def print_profiles(profiles: list[StepProfile]) -> None:
@@ -222,7 +238,7 @@ def print_profiles(profiles: list[StepProfile]) -> None:
               + " ".join(f"{p.verify_over_decode(n):7.2f}" for n in VERIFY_ROWS) + f" {head}")
     print("(verifyN and head: seconds relative to one decode step of the same path and prompt; GB/s: (weights + K/V) "
           "/ decode time; read: the machine's read bandwidth (a sum over a 256 MiB fp32 buffer) timed in the same "
-          "rounds as the steps; bw frac: GB/s / read)")
+          "rounds as the steps (best round each); bw frac and verifyN: ratios within each of 5 rounds, the median)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -286,7 +302,7 @@ def main() -> None:
     parser.add_argument("--trees", nargs="*", default=["4x2x8", "5x3x16", "4x2x8+lookup"], metavar="DxKxN[+lookup]",
                         help="tree shapes run beside the chain (none: skip the trees)")
     args = parser.parse_args()
-    repeats_short, repeats_long = 8, 2  # calls per round of `target_step_seconds` (best of 3 rounds, 3 warm-up calls)
+    repeats_short, repeats_long = 8, 2  # calls per round of `target_step_rounds` (5 rounds, 3 warm-up calls)
     if args.quick:
         args.num_prompts, args.new_tokens, args.ks = 2, 48, [1, 3]
         repeats_short, repeats_long = 3, 1

@@ -41,6 +41,30 @@ def test_report_form_keys_verify_by_tokens_verified():
                     "draft_step_over_decode": 0.07123, "prompt_tokens": 57, "measure_s": 3.46}
 
 
+def test_curves_from_two_moments_are_averaged():
+    before = CostCurve(0.010, {2: 1.0, 4: 1.2}, 0.10, 57, measure_s=2.0)
+    after = CostCurve(0.006, {2: 1.2, 4: 1.6}, 0.14, 57, measure_s=3.0)
+    mean = CostCurve.averaged([before, after])
+    assert mean.decode_s == pytest.approx(0.008) and mean.draft_step_over_decode == pytest.approx(0.12)
+    assert mean.verify_over_decode == pytest.approx({2: 1.1, 4: 1.4})
+    assert mean.prompt_tokens == 57 and mean.measure_s == pytest.approx(5.0)
+
+
+def test_verify_ratios_are_taken_within_rounds(monkeypatch):
+    """A machine whose speed changes between rounds (rounds 2 and 4 twice as fast; in round 5 only the decode step
+    ran fast): each verify's ratio is taken within a round and the median kept, so the fast decode of one round is
+    never divided into another round's verify."""
+    import mtp_train.runtime.spec.costs as costs
+
+    rounds = {1: [0.010, 0.005, 0.010, 0.005, 0.004], 2: [0.011, 0.0055, 0.011, 0.0055, 0.011]}
+    monkeypatch.setattr(costs, "target_step_rounds", lambda *args, **kwargs: rounds)
+    monkeypatch.setattr(costs, "draft_step_seconds", lambda *args, **kwargs: 0.001)
+    curve = measure_cost_curves(object(), {"lookup": PromptLookup()}, [1, 2, 3], ks=[1])["lookup"]
+    assert curve.decode_s == 0.004  # the best round
+    assert curve.verify_over_decode[2] == pytest.approx(1.1)  # not 0.0055 / 0.004 = 1.375 (the best of each)
+    assert curve.draft_step_over_decode == pytest.approx(0.25)
+
+
 def test_measured_on_tiny_models_for_a_head_a_draft_model_and_prompt_lookup(models):
     from mtp_train.heads import DraftHead, HeadConfig
 

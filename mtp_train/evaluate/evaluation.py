@@ -17,9 +17,11 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
     """Plain decoding, `draft` (reported as `draft_method`@k) and, if `prompt_lookup`, the n-gram baseline, at each
     k and each of `batch_sizes`: the first batch size gives the report's main tables ("overall", per category),
     every one its entry in "by_batch_size" and a point of the speedup-against-batch-size plot. `target` is loaded
-    with `precision`; the draft computes like it. With `cost_curve`, each draft's step costs are measured after the
-    runs on the first prompt at batch 1 (`runtime.spec.costs.measure_cost_curves`, a few seconds) and the report
-    gives the speedup they predict beside the measured one.
+    with `precision`; the draft computes like it. With `cost_curve`, each draft's step costs are measured before and
+    after the runs on the first prompt at batch 1 (`runtime.spec.costs.measure_cost_curves`, a few seconds each) and
+    averaged (a shared machine's state moves within a run: once measured only after the runs, in a fast spell, the
+    curve predicted 1.10× where the runs measured 1.25×), and the report gives the speedup they predict beside the
+    measured one.
 
     `trees`: tree drafting with the head beside its chain, one method per 'DEPTHxTOPKxNODES' (a hybrid tree with the
     prompt-lookup branch: 'DEPTHxTOPKxNODES+lookup'), reported as "<draft_method>@tree=..."; with `cost_curve` each
@@ -32,7 +34,7 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
     from mtp_train.runtime.hardware import machine_name
     from mtp_train.runtime.sampler import SamplingParams
     from mtp_train.runtime.spec import PromptLookup
-    from mtp_train.runtime.spec.costs import measure_cost_curves
+    from mtp_train.runtime.spec.costs import CostCurve, measure_cost_curves
 
     if prompts_path:
         prompt_set = load_mt_bench(prompts_path, limit)
@@ -42,6 +44,8 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
     drafts = {draft_method: draft, **({"lookup": PromptLookup()} if prompt_lookup else {})}
     tree_drafts = _tree_drafts(draft, draft_method, trees)
     stops = stop_token_ids(tokenizer, target.config)
+    curve_prompt = first_turn_ids(tokenizer, prompt_set.prompts[0])
+    curves_before = measure_cost_curves(target, drafts, curve_prompt, ks) if cost_curve else None
     totals_by_batch = {
         batch_size: run_methods(target, tokenizer, prompt_set.prompts, drafts, ks, max_new_tokens, sampling, stops,
                                 show_progress=show_progress, batch_size=batch_size, trees=tree_drafts)
@@ -51,16 +55,16 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
     curves, tree_costs = None, None
     if cost_curve:  # the same loaded target and drafts, so the same decode path the runs took
         started = time.perf_counter()
-        curves = measure_cost_curves(target, drafts, first_turn_ids(tokenizer, prompt_set.prompts[0]), ks)
+        curves_after = measure_cost_curves(target, drafts, curve_prompt, ks)
+        curves = {name: CostCurve.averaged([curves_before[name], curves_after[name]]) for name in curves_after}
         if tree_drafts:
             from mtp_train.runtime.spec.costs import measure_tree_costs
 
             shapes = list({tree.shape.label: tree.shape for tree in tree_drafts.values()}.values())
-            tree_costs = measure_tree_costs(target, first_turn_ids(tokenizer, prompt_set.prompts[0]), shapes,
-                                            curves[draft_method].decode_s)
+            tree_costs = measure_tree_costs(target, curve_prompt, shapes, curves_after[draft_method].decode_s)
         if show_progress:
-            print(f"eval: cost curves of {', '.join(curves)} measured in {time.perf_counter() - started:.1f} s",
-                  flush=True)
+            print(f"eval: cost curves of {', '.join(curves)} measured before and after the runs "
+                  f"({sum(curve.measure_s for curve in curves.values()):.1f} s in all)", flush=True)
     meta = {
         "name": recipe.name, "target": str(recipe.target.path), "draft": str(draft_path), "draft_kind": draft_kind,
         "draft_method": draft_method,

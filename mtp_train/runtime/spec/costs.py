@@ -9,6 +9,7 @@ plain decoding makes one token per decode step)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -43,13 +44,19 @@ def best_seconds(fn, repeats: int, between=None) -> float:
 
 
 def interleaved_best_seconds(fns: dict, repeats: int, rounds: int = 3, between=None) -> dict:
-    """{key: seconds per call of fns[key]}: 3 warm-up calls each, then `rounds` rounds in which every fn runs
-    `repeats` timed calls in turn; the best round of each. Contenders alternate, so a slow spell of a shared machine
-    (its step times drift by ±20% within seconds) falls on all of them, and the ratios between them hold."""
+    """{key: seconds per call of fns[key]}: the best round of each (`interleaved_round_seconds`)."""
+    return {key: min(times) for key, times in interleaved_round_seconds(fns, repeats, rounds, between).items()}
+
+
+def interleaved_round_seconds(fns: dict, repeats: int, rounds: int = 3, between=None) -> dict:
+    """{key: [seconds per call of fns[key] in each round]}: 3 warm-up calls each, then `rounds` rounds in which every
+    fn runs `repeats` timed calls in turn. Contenders alternate, so a slow spell of a shared machine (its step times
+    drift by ±20% within seconds, its memory's read rate between ~35 and ~65 GB/s) falls on all of them, and the
+    ratios between them within a round hold."""
     for fn in fns.values():
         for _ in range(3):
             fn()
-    best = dict.fromkeys(fns, float("inf"))
+    per_round: dict = {key: [] for key in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
             seconds = 0.0
@@ -64,16 +71,25 @@ def interleaved_best_seconds(fns: dict, repeats: int, rounds: int = 3, between=N
                     start = time.perf_counter()
                     fn()
                     seconds += time.perf_counter() - start
-            best[key] = min(best[key], seconds / repeats)
-    return best
+            per_round[key].append(seconds / repeats)
+    return per_round
+
+
+def target_step_seconds(target, prompt_ids: list[int], n_tokens: list[int], repeats: int = 20,
+                        beside: dict | None = None) -> dict:
+    """{n: seconds of one target forward over n new tokens} after the prompt is in the cache, the best of 5
+    interleaved rounds. `beside`: {name: fn} timed in the same rounds (e.g. a read of a large buffer, so that a
+    fraction of the machine's read bandwidth compares figures measured in the same moments), their seconds per call
+    returned under their names."""
+    rounds = target_step_rounds(target, prompt_ids, n_tokens, repeats, beside)
+    return {key: min(times) for key, times in rounds.items()}
 
 
 @torch.inference_mode()
-def target_step_seconds(target, prompt_ids: list[int], n_tokens: list[int], repeats: int = 20,
-                        beside: dict | None = None) -> dict:
-    """{n: seconds of one target forward over n new tokens} after the prompt is in the cache. `beside`: {name: fn}
-    timed in the same interleaved rounds (e.g. a read of a large buffer, so that a fraction of the machine's read
-    bandwidth compares figures measured in the same moments), their seconds per call returned under their names."""
+def target_step_rounds(target, prompt_ids: list[int], n_tokens: list[int], repeats: int = 20,
+                       beside: dict | None = None, rounds: int = 5) -> dict:
+    """{n: [seconds of one target forward over n new tokens, per round]}: `target_step_seconds` before the best is
+    taken, for ratios taken within each round."""
     allocator = PageAllocator(_pages(prompt_ids, max(n_tokens)), 16)
     cache, seq = target.new_kv_cache(allocator), Sequence(0)
     target(torch.tensor(prompt_ids), BatchInfo.for_sequences([seq], [len(prompt_ids)], allocator), cache)
@@ -82,7 +98,7 @@ def target_step_seconds(target, prompt_ids: list[int], n_tokens: list[int], repe
         target(torch.tensor(prompt_ids[:n]), BatchInfo.for_sequences([seq], [n], allocator, advance=False), cache)
         _synchronize(target.device)
 
-    return interleaved_best_seconds({n: (lambda n=n: step(n)) for n in n_tokens} | (beside or {}), repeats, rounds=5)
+    return interleaved_round_seconds({n: (lambda n=n: step(n)) for n in n_tokens} | (beside or {}), repeats, rounds)
 
 
 @torch.inference_mode()
@@ -150,6 +166,17 @@ class CostCurve:
         """The k with the largest predicted speedup, from the τ measured at each k (the smaller k on a tie)."""
         return max(sorted(tau_by_k), key=lambda k: self.predicted_speedup(tau_by_k[k], k))
 
+    @classmethod
+    def averaged(cls, curves: list[CostCurve]) -> CostCurve:
+        """The mean of curves measured at different moments of one run (e.g. before and after the eval's runs): the
+        machine's state during the runs lies between them more often than at either end."""
+        first = curves[0]
+        mean = lambda values: sum(values) / len(values)  # noqa: E731
+        return cls(mean([c.decode_s for c in curves]),
+                   {n: mean([c.verify_over_decode[n] for c in curves]) for n in first.verify_over_decode},
+                   mean([c.draft_step_over_decode for c in curves]), first.prompt_tokens,
+                   measure_s=sum(c.measure_s for c in curves))
+
     def as_dict(self) -> dict:
         """The report's form (JSON keys are strings: verify_over_decode is keyed by n = k + 1)."""
         return {
@@ -164,13 +191,15 @@ class CostCurve:
 def measure_cost_curves(target, drafts: dict[str, object], prompt_ids: list[int], ks: list[int], repeats: int = 5,
                         draft_repeats: int = 20) -> dict[str, CostCurve]:
     """{draft name: its CostCurve}: the target's decode and verify(k + 1) steps measured once (`repeats` calls per
-    round), each draft's step (`draft_repeats` per round, a head's each after an untimed target decode step), all
-    after `prompt_ids`."""
+    round, 5 interleaved rounds: the decode step's best round, each verify's ratio to the decode step the median of
+    the ratios within each round, so a change of the machine's state between rounds cannot pair a fast decode with a
+    slow verify), each draft's step (`draft_repeats` per round, a head's each after an untimed target decode step),
+    all after `prompt_ids`."""
     started = time.perf_counter()
-    target_seconds = target_step_seconds(target, prompt_ids, sorted({1, *(k + 1 for k in ks)}), repeats)
+    rounds = target_step_rounds(target, prompt_ids, sorted({1, *(k + 1 for k in ks)}), repeats)
     target_s = time.perf_counter() - started
-    decode = target_seconds[1]
-    verify = {k + 1: target_seconds[k + 1] / decode for k in ks}
+    decode = min(rounds[1])
+    verify = {k + 1: statistics.median(n_s / one_s for n_s, one_s in zip(rounds[k + 1], rounds[1])) for k in ks}
     curves = {}
     for name, draft in drafts.items():
         started = time.perf_counter()
