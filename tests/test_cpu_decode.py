@@ -237,6 +237,47 @@ def test_the_build_follows_the_cpu_flags_or_the_environment(monkeypatch, flags, 
     assert name == variant and compiler_flags == kernels.VARIANTS[variant][1]
 
 
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(tmp_path, capsys):
+    import os
+
+    from mtp_train.runtime.kernels import STALE_LOCK_SECONDS, _clear_stale_build_lock
+
+    build_dir = tmp_path / "build"
+    build_dir.mkdir()
+    (build_dir / "build.ninja").write_text("")
+    lock = build_dir / "lock"
+    now = 1_000_000.0
+    os.utime(build_dir / "build.ninja", (now - 10, now - 10))
+
+    # a live build: the lock goes after two polls; nothing is removed by us
+    lock.touch()
+    os.utime(lock, (now - 10, now - 10))
+    polls = []
+
+    def build_finishes(_seconds):
+        polls.append(1)
+        if len(polls) == 2:
+            lock.unlink()
+
+    _clear_stale_build_lock(build_dir, clock=lambda: now, sleep=build_finishes)
+    assert len(polls) == 2 and "waiting for another process building" in capsys.readouterr().err
+
+    # a killed build: nothing written for longer than the limit; the lock is removed at once
+    lock.touch()
+    os.utime(lock, (now - STALE_LOCK_SECONDS - 1, now - STALE_LOCK_SECONDS - 1))
+    os.utime(build_dir / "build.ninja", (now - STALE_LOCK_SECONDS - 1, now - STALE_LOCK_SECONDS - 1))
+    _clear_stale_build_lock(build_dir, clock=lambda: now, sleep=lambda _s: pytest.fail("no wait expected"))
+    assert not lock.exists()
+
+    # a lock that stops making progress while we wait: removed once the limit passes
+    lock.touch()
+    os.utime(lock, (now, now))
+    os.utime(build_dir / "build.ninja", (now, now))
+    clock = [now]
+    _clear_stale_build_lock(build_dir, clock=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + 60))
+    assert not lock.exists() and clock[0] >= now + STALE_LOCK_SECONDS
+
+
 def test_a_build_the_cpu_cannot_run_is_refused_with_what_it_lacks(monkeypatch):
     from mtp_train.runtime import hardware
 

@@ -74,6 +74,38 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join(candidates + [os.environ.get("PATH", "")])
 
 
+# A build of the kernels takes 30-90 s; torch's loader holds a `lock` file in the build directory meanwhile and every
+# other loader waits for it to go, forever. A build killed midway (Ctrl-C during the first run, a killed job) leaves
+# it behind: a lock with nothing in its directory written for this long is taken for such a leftover and removed.
+STALE_LOCK_SECONDS = 300.0
+
+
+def _clear_stale_build_lock(build_dir: Path, stale_after_s: float = STALE_LOCK_SECONDS, poll_s: float = 1.0,
+                            clock=time.time, sleep=time.sleep) -> None:
+    """Wait while another process builds the kernels (its `lock` in `build_dir`, files still being written); remove
+    the lock once nothing in the directory has been written for `stale_after_s` (a build that was killed)."""
+    lock = build_dir / "lock"
+    announced = False
+    while lock.exists():
+        try:
+            last_write = max(entry.stat().st_mtime for entry in build_dir.iterdir())
+        except (OSError, ValueError):  # the build finished (or the directory went) between the calls
+            sleep(poll_s)
+            continue
+        idle_s = clock() - last_write
+        if idle_s >= stale_after_s:
+            log.warning("removing a stale build lock of the CPU decode kernels (%s: nothing written there for %.0f s; "
+                        "a build was interrupted)", lock, idle_s)
+            lock.unlink(missing_ok=True)
+            return
+        if not announced:
+            print(f"waiting for another process building the CPU decode kernels ({lock}; a lock left by an "
+                  f"interrupted build is removed after {stale_after_s:.0f} s without progress)", file=sys.stderr,
+                  flush=True)
+            announced = True
+        sleep(poll_s)
+
+
 def cpu_kernels():
     """`torch.ops.mtp_cpu` once built and loaded; None when unavailable (the reason is in `unavailable_reason()`)."""
     if "ops" in _state:
@@ -89,7 +121,9 @@ def cpu_kernels():
         from torch.utils.cpp_extension import _get_build_directory, load
 
         _ensure_ninja_on_path()
-        if not (Path(_get_build_directory(name, False)) / f"{name}.so").is_file():
+        build_dir = Path(_get_build_directory(name, False))
+        _clear_stale_build_lock(build_dir)
+        if not (build_dir / f"{name}.so").is_file():
             print(f"building the CPU decode kernels ({SOURCE.name}, {variant}; once per machine, ~30 s)",
                   file=sys.stderr, flush=True)
 
