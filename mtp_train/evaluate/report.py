@@ -173,8 +173,8 @@ def _cost_curve_lines(report: dict[str, Any]) -> list[str]:
     lines = ["", "## Cost curve", "",
              (f"Step costs at batch 1 after the first prompt ({first['prompt_tokens']} tokens), measured before and "
               "after the runs with the same loaded models and averaged (each verify's ratio to the decode step taken "
-              "within each of 5 interleaved rounds, the median). Predicted speedup at k = τ(k) / (verify(k+1)/decode + k · draft "
-              "step/decode)."), ""]
+              "within each of 5 interleaved rounds, the median). Predicted speedup at k = τ(k) / "
+              "(verify(k+1)/decode + k · draft step/decode)."), ""]
     ns = list(first["verify_over_decode"])
     lines.append(_row(["draft", "decode ms", *[f"verify({n})/decode" for n in ns], "draft step/decode",
                        "best k: predicted", "best k: measured"]))
