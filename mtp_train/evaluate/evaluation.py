@@ -6,7 +6,6 @@ run. The draft arrives loaded (`mtp-train eval` loads any head format through `e
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 
@@ -54,7 +53,6 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
     totals = totals_by_batch[batch_sizes[0]]
     curves, tree_costs = None, None
     if cost_curve:  # the same loaded target and drafts, so the same decode path the runs took
-        started = time.perf_counter()
         curves_after = measure_cost_curves(target, drafts, curve_prompt, ks)
         curves = {name: CostCurve.averaged([curves_before[name], curves_after[name]]) for name in curves_after}
         if tree_drafts:

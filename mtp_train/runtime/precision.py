@@ -109,14 +109,14 @@ def time_decode_matmuls(rows_list=PROBE_ROWS, budget_s: float = 0.08) -> dict[in
     weights32 = [torch.randn(1536, 576, generator=generator) for _ in range(48)]
     weights16 = [w.to(torch.bfloat16) for w in weights32]
     inputs = {rows: torch.randn(rows, 576, generator=generator) for rows in rows_list}
+    inputs16 = {rows: x.to(torch.bfloat16) for rows, x in inputs.items()}
     result: dict[int, dict[str, float]] = {rows: {} for rows in rows_list}
     # Two rounds over every row count, keeping each contender's best: the decision is cached for the machine, and one
     # stall of a shared machine during a single timing (once seen: 380 ms for a 4 ms pass at 2 rows, which capped the
     # bf16 decode weights at 1 row and sent every verify to the fp32 weights) must not decide it.
     for _ in range(2):
         for rows in rows_list:
-            x = inputs[rows]
-            x16 = x.to(torch.bfloat16)
+            x, x16 = inputs[rows], inputs16[rows]
             times = {"float32": best_seconds(lambda: [F.linear(x, w) for w in weights32], budget_s)}
             if ops is not None:
                 times["bfloat16"] = best_seconds(lambda: [ops.linear(x, w, None, None) for w in weights16], budget_s)

@@ -170,11 +170,10 @@ class CostCurve:
     def averaged(cls, curves: list[CostCurve]) -> CostCurve:
         """The mean of curves measured at different moments of one run (e.g. before and after the eval's runs): the
         machine's state during the runs lies between them more often than at either end."""
-        first = curves[0]
-        mean = lambda values: sum(values) / len(values)  # noqa: E731
-        return cls(mean([c.decode_s for c in curves]),
-                   {n: mean([c.verify_over_decode[n] for c in curves]) for n in first.verify_over_decode},
-                   mean([c.draft_step_over_decode for c in curves]), first.prompt_tokens,
+        first, mean = curves[0], statistics.fmean
+        return cls(mean(c.decode_s for c in curves),
+                   {n: mean(c.verify_over_decode[n] for c in curves) for n in first.verify_over_decode},
+                   mean(c.draft_step_over_decode for c in curves), first.prompt_tokens,
                    measure_s=sum(c.measure_s for c in curves))
 
     def as_dict(self) -> dict:
