@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -120,6 +121,24 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += al
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
   for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// The largest of v[0:n] (-inf for none); a max is exact in any order.
+inline float max_of(const float* v, int64_t n) {
+  int64_t i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+#if MTP_AVX2
+  __m256 m0 = _mm256_set1_ps(best), m1 = m0;
+  for (; i + 16 <= n; i += 16) {
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(v + i));
+    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(v + i + 8));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
+  for (float lane : lanes) best = std::max(best, lane);
+#endif
+  for (; i < n; ++i) best = std::max(best, v[i]);
+  return best;
 }
 
 // Softmax numerator in place: v[i] = exp(v[i] - max); returns the sum.
@@ -635,87 +654,218 @@ inline void norm_and_rotate(float* v, int64_t D, const float* cos, const float* 
 // qkv:  [T, (H + 2 G) * D] fp32, the fused projection output of the batch's new tokens (q heads, then k, then v);
 //       its q and k parts are normalized (if weights are given) and rotated in place.
 // cos, sin: [T, D] rotary tables of the new tokens' positions.
-// scores[i] = scale * (q . K_i) for keys i in [lo, hi) of a chunk; K_i = k_rows[i] + offset (kD floats). Each dot
-// accumulates along D in one fixed order and is reduced horizontally in one fixed order, whichever keys share its
-// group of four, so a key's score does not depend on the range asked for (batch invariance). kD is a template
-// argument so that q and the accumulators stay in registers.
+// The cache holds K and V in fp32 or bf16 (`C`): a bf16 cache halves the bytes a step streams at long context; the
+// new tokens' K/V are rounded to it (nearest even) as they are written, and every query reads them back from it.
+//
+// Scores: score = scale * (q . K_i). Each dot accumulates along D in one fixed order (q[0:8] * K[0:8], then one FMA per
+// further 8 lanes, in order) and is reduced horizontally in one fixed order (`quad_sums`), whichever other dots share
+// its tile, so a key's score depends neither on the range asked for nor on the other query rows (batch invariance).
+// A tile is up to 4 query rows (the query heads of one KV head, and the tokens of a verify) by 2 keys: each K load
+// feeds 4 FMAs and each q load 2, and the 8 dot products are 8 independent FMA chains (one dot at a time is a chain of
+// D/8 dependent FMAs: measured 4.8 GB/s of K/V for 4 tokens at 4k keys on a Zen 4, against ~40 for the weights).
 #if MTP_AVX2
-template <int kD>
-void key_dots_avx2(const float* q, const float* const* k_rows, int64_t offset, int64_t lo, int64_t hi, float scale,
-                   float* scores) {
+// The sums of four 8-lane accumulators, each as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), times scale.
+inline __m128 quad_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m128 scale4) {
+  const __m256 quad = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(quad), _mm256_extractf128_ps(quad, 1)), scale4);
+}
+
+// scores[r][i + j] for query rows r < kR and keys j < kK of `keys` (key i + j at keys[i + j] + offset).
+template <int kD, int kR, int kK, typename C>
+inline void score_tile(const float* const* q_rows, const C* const* keys, int64_t offset, int64_t i, __m128 scale4,
+                       float* const* scores) {
   constexpr int kV = kD / 8;
-  __m256 q_regs[kV];
-  for (int v = 0; v < kV; ++v) q_regs[v] = _mm256_loadu_ps(q + 8 * v);
-  const __m128 scale4 = _mm_set1_ps(scale);
-  for (int64_t i = lo; i < hi; i += 4) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    const int64_t n = std::min<int64_t>(4, hi - i);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* k = k_rows[i + j] + offset;
-      __m256 a = _mm256_mul_ps(q_regs[0], _mm256_loadu_ps(k));
+  const C* k[kK];
+  #pragma GCC unroll 16
+  for (int j = 0; j < kK; ++j) k[j] = keys[i + j] + offset;
+  __m256 acc[kR][kK];
+  #pragma GCC unroll 16
+  for (int j = 0; j < kK; ++j) {
+    const __m256 kv = load8(k[j]);
+    #pragma GCC unroll 16
+    for (int r = 0; r < kR; ++r) acc[r][j] = _mm256_mul_ps(_mm256_loadu_ps(q_rows[r]), kv);
+  }
 #pragma GCC unroll 16
-      for (int v = 1; v < kV; ++v) a = _mm256_fmadd_ps(q_regs[v], _mm256_loadu_ps(k + 8 * v), a);
-      acc[j] = a;
+  for (int v = 1; v < kV; ++v) {
+    __m256 kv[kK];
+    #pragma GCC unroll 16
+    for (int j = 0; j < kK; ++j) kv[j] = load8(k[j] + 8 * v);
+    #pragma GCC unroll 16
+    for (int r = 0; r < kR; ++r) {
+      const __m256 q = _mm256_loadu_ps(q_rows[r] + 8 * v);
+      #pragma GCC unroll 16
+      for (int j = 0; j < kK; ++j) acc[r][j] = _mm256_fmadd_ps(q, kv[j], acc[r][j]);
     }
-    // each acc[j] summed as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), four keys at once
-    const __m256 quad = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    const __m128 sums = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(quad), _mm256_extractf128_ps(quad, 1)), scale4);
+  }
+  const __m256 zero = _mm256_setzero_ps();
+  #pragma GCC unroll 16
+  for (int j = 0; j < kK; ++j) {
     alignas(16) float out4[4];
-    _mm_store_ps(out4, sums);
-    for (int64_t j = 0; j < n; ++j) scores[i + j] = out4[j];
+    _mm_store_ps(out4, quad_sums(acc[0][j], kR > 1 ? acc[1 % kR][j] : zero, kR > 2 ? acc[2 % kR][j] : zero,
+                                 kR > 3 ? acc[3 % kR][j] : zero, scale4));
+    #pragma GCC unroll 16
+    for (int r = 0; r < kR; ++r) scores[r][i + j] = out4[r];
   }
 }
 
-// out[0:kD] = sum over keys i in [lo, hi), in order, of weights[i] * V_i (V_i = v_rows[i] + offset).
-template <int kD>
-void weighted_sum_avx2(const float* weights, const float* const* v_rows, int64_t offset, int64_t lo, int64_t hi,
-                       float* out) {
-  constexpr int kV = kD / 8;
-  __m256 acc[kV];
-  for (int v = 0; v < kV; ++v) acc[v] = _mm256_setzero_ps();
-  for (int64_t i = lo; i < hi; ++i) {
-    const __m256 w = _mm256_set1_ps(weights[i]);
-    const float* row = v_rows[i] + offset;
-#pragma GCC unroll 16
-    for (int v = 0; v < kV; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * v), acc[v]);
+template <int kD, int kR, typename C>
+void score_rows_of(const float* const* q_rows, const C* const* keys, int64_t offset, int64_t lo, int64_t hi,
+                   __m128 scale4, float* const* scores) {
+  int64_t i = lo;
+  for (; i + 2 <= hi; i += 2) score_tile<kD, kR, 2>(q_rows, keys, offset, i, scale4, scores);
+  if (i < hi) score_tile<kD, kR, 1>(q_rows, keys, offset, i, scale4, scores);
+}
+
+template <int kD, typename C>
+void score_rows_avx2(const float* const* q_rows, int64_t n_rows, const C* const* keys, int64_t offset, int64_t lo,
+                     int64_t hi, float scale, float* const* scores) {
+  const __m128 scale4 = _mm_set1_ps(scale);
+  for (int64_t r = 0; r < n_rows; r += 4) {
+    switch (std::min<int64_t>(4, n_rows - r)) {
+      case 4: score_rows_of<kD, 4>(q_rows + r, keys, offset, lo, hi, scale4, scores + r); break;
+      case 3: score_rows_of<kD, 3>(q_rows + r, keys, offset, lo, hi, scale4, scores + r); break;
+      case 2: score_rows_of<kD, 2>(q_rows + r, keys, offset, lo, hi, scale4, scores + r); break;
+      default: score_rows_of<kD, 1>(q_rows + r, keys, offset, lo, hi, scale4, scores + r); break;
+    }
   }
-  for (int v = 0; v < kV; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
+}
+
+// out[r][0:kD] = sum over keys i in [lo, hi), in order, of weights[r][i] * V_i (V_i = v_rows[i] + offset), for kR
+// rows that share the range, 32 lanes at a time (each lane's sum runs over the keys in the same order whatever the
+// rows and lanes beside it).
+template <int kD, int kR, typename C>
+void weighted_sum_tile(const float* const* weights, const C* const* v_rows, int64_t offset, int64_t lo, int64_t hi,
+                       float* const* out) {
+  constexpr int kLanes = kD < 32 ? kD : 32, kV = kLanes / 8;
+  #pragma GCC unroll 16
+  for (int lane = 0; lane < kD; lane += kLanes) {
+    __m256 acc[kR][kV];
+    #pragma GCC unroll 16
+    for (int r = 0; r < kR; ++r)
+      #pragma GCC unroll 16
+      for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t i = lo; i < hi; ++i) {
+      const C* row = v_rows[i] + offset + lane;
+      __m256 w[kR];
+      #pragma GCC unroll 16
+      for (int r = 0; r < kR; ++r) w[r] = _mm256_broadcast_ss(weights[r] + i);
+      #pragma GCC unroll 16
+      for (int v = 0; v < kV; ++v) {
+        const __m256 x = load8(row + 8 * v);
+        #pragma GCC unroll 16
+        for (int r = 0; r < kR; ++r) acc[r][v] = _mm256_fmadd_ps(w[r], x, acc[r][v]);
+      }
+    }
+    #pragma GCC unroll 16
+    for (int r = 0; r < kR; ++r)
+      #pragma GCC unroll 16
+      for (int v = 0; v < kV; ++v) _mm256_storeu_ps(out[r] + lane + 8 * v, acc[r][v]);
+  }
+}
+
+template <int kD, typename C>
+void weighted_sums_avx2(const float* const* weights, int64_t n_rows, const C* const* v_rows, int64_t offset,
+                        int64_t lo, int64_t hi, float* const* out) {
+  for (int64_t r = 0; r < n_rows; r += 2) {
+    if (n_rows - r >= 2) weighted_sum_tile<kD, 2>(weights + r, v_rows, offset, lo, hi, out + r);
+    else weighted_sum_tile<kD, 1>(weights + r, v_rows, offset, lo, hi, out + r);
+  }
 }
 #endif
 
-// The head dims with register-resident kernels (the others take the plain loops below).
-inline void key_dots(const float* q, const float* const* k_rows, int64_t offset, int64_t D, int64_t lo, int64_t hi,
-                     float scale, float* scores) {
+// The portable dot and weighted sum (head dims without a register-resident kernel, builds without AVX2).
+template <typename C>
+inline float dot_any(const float* q, const C* k, int64_t D) {
+  float total = 0.f;
+  for (int64_t d = 0; d < D; ++d) total += q[d] * load_scalar(k + d);
+  return total;
+}
+
+// scores[r][i] = scale * (q_rows[r] . K_i) for rows r < n_rows and keys i in [lo, hi).
+template <typename C>
+void score_rows(const float* const* q_rows, int64_t n_rows, const C* const* keys, int64_t offset, int64_t D,
+                int64_t lo, int64_t hi, float scale, float* const* scores) {
 #if MTP_AVX2
   switch (D) {
-    case 32: return key_dots_avx2<32>(q, k_rows, offset, lo, hi, scale, scores);
-    case 64: return key_dots_avx2<64>(q, k_rows, offset, lo, hi, scale, scores);
-    case 128: return key_dots_avx2<128>(q, k_rows, offset, lo, hi, scale, scores);
+    case 32: return score_rows_avx2<32>(q_rows, n_rows, keys, offset, lo, hi, scale, scores);
+    case 64: return score_rows_avx2<64>(q_rows, n_rows, keys, offset, lo, hi, scale, scores);
+    case 128: return score_rows_avx2<128>(q_rows, n_rows, keys, offset, lo, hi, scale, scores);
     default: break;
   }
 #endif
-  for (int64_t i = lo; i < hi; ++i) scores[i] = scale * dot(q, k_rows[i] + offset, D);
+  for (int64_t r = 0; r < n_rows; ++r)
+    for (int64_t i = lo; i < hi; ++i) scores[r][i] = scale * dot_any(q_rows[r], keys[i] + offset, D);
 }
 
-inline void weighted_sum(const float* weights, const float* const* v_rows, int64_t offset, int64_t D, int64_t lo,
-                         int64_t hi, float* out) {
+// out[r] = sum over keys i in [lo, hi), in order, of weights[r][i] * V_i, for rows r < n_rows.
+template <typename C>
+void weighted_sums(const float* const* weights, int64_t n_rows, const C* const* v_rows, int64_t offset, int64_t D,
+                   int64_t lo, int64_t hi, float* const* out) {
 #if MTP_AVX2
   switch (D) {
-    case 32: return weighted_sum_avx2<32>(weights, v_rows, offset, lo, hi, out);
-    case 64: return weighted_sum_avx2<64>(weights, v_rows, offset, lo, hi, out);
-    case 128: return weighted_sum_avx2<128>(weights, v_rows, offset, lo, hi, out);
+    case 32: return weighted_sums_avx2<32>(weights, n_rows, v_rows, offset, lo, hi, out);
+    case 64: return weighted_sums_avx2<64>(weights, n_rows, v_rows, offset, lo, hi, out);
+    case 128: return weighted_sums_avx2<128>(weights, n_rows, v_rows, offset, lo, hi, out);
     default: break;
   }
 #endif
-  std::memset(out, 0, D * sizeof(float));
-  for (int64_t i = lo; i < hi; ++i) axpy(weights[i], v_rows[i] + offset, out, D);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    std::memset(out[r], 0, D * sizeof(float));
+    for (int64_t i = lo; i < hi; ++i)
+      for (int64_t d = 0; d < D; ++d) out[r][d] += weights[r][i] * load_scalar(v_rows[i] + offset + d);
+  }
 }
 
-// k_cache, v_cache: [pages, page_size, G, D] fp32; the new tokens' k and v are written at slot_mapping first.
+// Software prefetch of the K and V rows of a chunk of keys (into L2), issued a slice of cache lines at a time.
+struct ChunkPrefetcher {
+  struct Run {
+    const char* k;
+    const char* v;
+    int64_t bytes;  // from k, and as many from v
+  };
+  std::function<void(int64_t, std::vector<Run>&)> chunk_bytes;  // a task's page runs
+  std::vector<Run> runs;
+  size_t run = 0;
+  int64_t offset = 0, lines = 0;
+
+  void plan(int64_t task) {  // forget what is left, and prefetch `task`'s chunk next (-1: nothing)
+    runs.clear();
+    run = 0;
+    offset = 0;
+    lines = 0;
+    if (task < 0) return;
+    chunk_bytes(task, runs);
+    for (const Run& r : runs) lines += 2 * ((r.bytes + 63) / 64);
+  }
+  void issue(int64_t count) {  // about `count` more cache lines (K and V lines count one each)
+#if MTP_AVX2
+    for (; count > 0 && run < runs.size(); count -= 2) {
+      _mm_prefetch(runs[run].k + offset, _MM_HINT_T1);
+      _mm_prefetch(runs[run].v + offset, _MM_HINT_T1);
+      offset += 64;
+      if (offset >= runs[run].bytes) {
+        ++run;
+        offset = 0;
+      }
+    }
+#else
+    (void)count;
+#endif
+  }
+};
+
+inline void store_row(float* dst, const float* src, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
+inline void store_row(bf16_bits* dst, const float* src, int64_t D) {  // round to nearest even, as torch's .to()
+  for (int64_t d = 0; d < D; ++d) dst[d] = c10::BFloat16(src[d]).x;
+}
+
+// k_cache, v_cache: [pages, page_size, G, D] fp32 or bf16 (both alike); the new tokens' k and v are written at
+// slot_mapping first.
 // positions [T] int64; qo_indptr [B + 1] int32; page_indptr [B + 1] int32; page_indices [pages used] int32.
 // A new token at position p attends to cached positions max(0, p - window + 1) .. p of its sequence.
 // Returns [T, H * D].
-at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+template <typename C>
+at::Tensor paged_attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
                            const at::Tensor& positions, const at::Tensor& qo_indptr, const at::Tensor& page_indptr,
                            const at::Tensor& page_indices, int64_t num_heads, int64_t num_kv_heads, double scale,
@@ -724,9 +874,6 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
                            const c10::optional<at::Tensor>& tree_start, const c10::optional<at::Tensor>& tree_keys) {
   check_activations(qkv, "qkv");
   TORCH_CHECK(qkv.is_contiguous(), "qkv must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "K/V caches must be contiguous float32 [pages, page_size, kv_heads, head_dim]");
   const int64_t T = qkv.size(0), H = num_heads, G = num_kv_heads, D = k_cache.size(3), page_size = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == G && qkv.size(1) == (H + 2 * G) * D, "qkv width does not match the heads");
   TORCH_CHECK(H % G == 0 && D % 2 == 0, "bad head layout");
@@ -742,8 +889,8 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
   const float eps = static_cast<float>(norm_eps);
   float* qkv_ptr = qkv.data_ptr<float>();
   const int64_t width = qkv.size(1);
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  C* kc = reinterpret_cast<C*>(k_cache.data_ptr());
+  C* vc = reinterpret_cast<C*>(v_cache.data_ptr());
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * page_size;
@@ -797,8 +944,8 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
                       scratch.data());
       if (!is_q) {
         const int64_t g = h - H;
-        std::memcpy(kc + (slots[t] * G + g) * D, v, D * sizeof(float));
-        std::memcpy(vc + (slots[t] * G + g) * D, qkv_ptr + t * width + (H + G + g) * D, D * sizeof(float));
+        store_row(kc + (slots[t] * G + g) * D, v, D);
+        store_row(vc + (slots[t] * G + g) * D, qkv_ptr + t * width + (H + G + g) * D, D);
       }
     }
   });
@@ -822,6 +969,7 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
 
   // Per sequence: its chunk range and where its tasks and partial results start.
   std::vector<int64_t> chunk_begin(B), chunk_count(B), task_start(B + 1, 0), partial_start(B + 1, 0);
+  std::vector<int64_t> seq_kv_begin(B), seq_kv_end(B);  // the keys any of a sequence's new tokens sees
   for (int64_t b = 0; b < B; ++b) {
     int64_t kv_end = 0, kv_begin = std::numeric_limits<int64_t>::max();
     for (int64_t t = qo[b]; t < qo[b + 1]; ++t) {
@@ -829,6 +977,8 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
       kv_begin = std::min(kv_begin, first_key(pos[t]));
     }
     if (qo[b + 1] == qo[b]) kv_begin = kv_end = 0;
+    seq_kv_begin[b] = kv_begin;
+    seq_kv_end[b] = kv_end;
     TORCH_CHECK((pind[b + 1] - pind[b]) * page_size >= kv_end, "sequence ", b, " has too few pages for position ",
                 kv_end - 1);
     chunk_begin[b] = kv_begin / kKeyChunk;
@@ -842,11 +992,31 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
   at::parallel_for(0, task_start[B], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> row_lo, row_hi;
-    std::vector<const float*> k_rows(kKeyChunk), v_rows(kKeyChunk), row_k, row_v;
+    std::vector<const C*> k_rows(kKeyChunk), v_rows(kKeyChunk), row_k, row_v;
+    std::vector<const float*> q_ptrs, w_ptrs(group);
+    std::vector<float*> score_ptrs, out_ptrs(group);
+    ChunkPrefetcher prefetcher;
+    prefetcher.chunk_bytes = [&](int64_t task, std::vector<ChunkPrefetcher::Run>& runs) {
+      const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
+      const int64_t key_lo = (chunk_begin[b] + task - task_start[b]) * kKeyChunk;
+      const int64_t lo = std::max(key_lo, seq_kv_begin[b]), hi = std::min(key_lo + kKeyChunk, seq_kv_end[b]);
+      for (int64_t p = lo; p < hi;) {
+        const int64_t run = std::min(hi - p, page_size - p % page_size);  // slots left in this page
+        const int64_t slot = static_cast<int64_t>(pages[pind[b] + p / page_size]) * page_size + p % page_size;
+        runs.push_back({reinterpret_cast<const char*>(kc + slot * slot_floats),
+                        reinterpret_cast<const char*>(vc + slot * slot_floats),
+                        run * slot_floats * static_cast<int64_t>(sizeof(C))});
+        p += run;
+      }
+    };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
       const int64_t c = task - task_start[b];
       const int64_t t0 = qo[b], n_q = qo[b + 1] - qo[b], rows = H * n_q;
+      if (static_cast<int64_t>(q_ptrs.size()) < group * n_q) {
+        q_ptrs.resize(group * n_q);
+        score_ptrs.resize(group * n_q);
+      }
       const int64_t key_lo = (chunk_begin[b] + c) * kKeyChunk, key_hi = key_lo + kKeyChunk;
       float* part = partials.data() + partial_start[b] + c * rows * (D + 2);
       // the keys any of the tokens may see in this chunk, and each token's own: [row_lo, row_hi) from key_lo
@@ -864,20 +1034,15 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
       auto slot_of = [&](int64_t p) {
         return static_cast<int64_t>(pages[pind[b] + p / page_size]) * page_size + p % page_size;
       };
-#if MTP_AVX2
       // The chunk's K and V rows are cold (the layer's weights streamed through the caches since they were
-      // written): ask for all of them up front, page run by page run, so the misses overlap.
-      for (int64_t p = lo_all; p < hi_all;) {
-        const int64_t run = std::min(hi_all - p, page_size - p % page_size);  // slots left in this page
-        const char* k_block = reinterpret_cast<const char*>(kc + slot_of(p) * slot_floats);
-        const char* v_block = reinterpret_cast<const char*>(vc + slot_of(p) * slot_floats);
-        for (int64_t byte = 0; byte < run * slot_floats * int64_t(sizeof(float)); byte += 64) {
-          _mm_prefetch(k_block + byte, _MM_HINT_T1);
-          _mm_prefetch(v_block + byte, _MM_HINT_T1);
-        }
-        p += run;
+      // written). A thread asks for its first chunk up front, then for each next chunk while it computes the one
+      // before, a slice at each step below, so the memory streams while the FMAs run.
+      if (task == begin) {
+        prefetcher.plan(task);
+        prefetcher.issue(std::numeric_limits<int64_t>::max());
       }
-#endif
+      prefetcher.plan(task + 1 < end ? task + 1 : -1);
+      const int64_t prefetch_slice = prefetcher.lines / (G + G * n_q) + 1;
       // The chunk's K and V rows, one pointer per key (pages are looked up once, not per head).
       for (int64_t p = lo_all; p < hi_all; ++p) {
         k_rows[p - key_lo] = kc + slot_of(p) * slot_floats;
@@ -901,27 +1066,61 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
       }
       auto keys_of = [&](int64_t r) { return tree_chunk ? row_k.data() + r * kKeyChunk : k_rows.data(); };
       auto values_of = [&](int64_t r) { return tree_chunk ? row_v.data() + r * kKeyChunk : v_rows.data(); };
-      // Scores, KV head by KV head: the group's query rows meet each key row while it sits in L1.
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t kv_offset = (h / group) * D;
-        for (int64_t r = 0; r < n_q; ++r) {
-          if (row_hi[r] <= row_lo[r]) continue;
-          const float* q_row = qkv_ptr + (t0 + r) * width + h * D;
-          float* row = scores.data() + (h * n_q + r) * kKeyChunk;
-          key_dots(q_row, keys_of(r), kv_offset, D, row_lo[r], row_hi[r], scale_f, row);
+      // Scores, KV head by KV head: the group's query rows (its heads, for each token) meet each key row while it
+      // sits in L1. Outside a tree region every row of a token takes the same keys: the group's rows share the
+      // tiles, over the keys any of them sees (a row reads only its own range [row_lo, row_hi) of them below).
+      float* const score_base = scores.data();
+      auto score_row = [&](int64_t h, int64_t r) { return score_base + (h * n_q + r) * kKeyChunk; };
+      auto q_row = [&](int64_t h, int64_t r) -> const float* { return qkv_ptr + (t0 + r) * width + h * D; };
+      for (int64_t g = 0; g < G; ++g) {
+        prefetcher.issue(prefetch_slice);
+        if (!tree_chunk) {
+          int64_t n_rows = 0;
+          for (int64_t h = g * group; h < (g + 1) * group; ++h)
+            for (int64_t r = 0; r < n_q; ++r) {
+              if (row_hi[r] <= row_lo[r]) continue;
+              q_ptrs[n_rows] = q_row(h, r);
+              score_ptrs[n_rows++] = score_row(h, r);
+            }
+          // k_rows is indexed from key_lo: keys [lo_all, hi_all) of the chunk
+          score_rows(q_ptrs.data(), n_rows, k_rows.data(), g * D, D, lo_all - key_lo, hi_all - key_lo, scale_f,
+                     score_ptrs.data());
+        } else {
+          for (int64_t h = g * group; h < (g + 1) * group; ++h)
+            for (int64_t r = 0; r < n_q; ++r) {
+              if (row_hi[r] <= row_lo[r]) continue;
+              const float* q = q_row(h, r);
+              float* row = score_row(h, r);
+              score_rows(&q, 1, keys_of(r), g * D, D, row_lo[r], row_hi[r], scale_f, &row);
+            }
         }
       }
+      // Softmax numerators per row over its own keys, then the exp-weighted sums of V: the heads of a group share a
+      // token's range and V rows, so they share each V load.
       for (int64_t h = 0; h < H; ++h)
         for (int64_t r = 0; r < n_q; ++r) {
-          float* row = scores.data() + (h * n_q + r) * kKeyChunk;
+          float* row = score_row(h, r);
           float* out = part + (h * n_q + r) * (D + 2);
-          float max_value = -std::numeric_limits<float>::infinity();
-          for (int64_t i = row_lo[r]; i < row_hi[r]; ++i) max_value = std::max(max_value, row[i]);
+          const float max_value = max_of(row + row_lo[r], row_hi[r] - row_lo[r]);
           out[D] = max_value;
           out[D + 1] = row_hi[r] > row_lo[r] ? exp_minus_max(row + row_lo[r], row_hi[r] - row_lo[r], max_value) : 0.f;
-          // exp-weighted sum of the row's V rows, keys in order, accumulated in registers
-          weighted_sum(row, values_of(r), (h / group) * D, D, row_lo[r], row_hi[r], out);
         }
+      for (int64_t r = 0; r < n_q; ++r) {
+        if (row_hi[r] <= row_lo[r]) {
+          for (int64_t h = 0; h < H; ++h) std::memset(part + (h * n_q + r) * (D + 2), 0, D * sizeof(float));
+          continue;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          prefetcher.issue(prefetch_slice);
+          for (int64_t j = 0; j < group; ++j) {
+            const int64_t h = g * group + j;
+            w_ptrs[j] = score_row(h, r);
+            out_ptrs[j] = part + (h * n_q + r) * (D + 2);
+          }
+          weighted_sums(w_ptrs.data(), group, values_of(r), g * D, D, row_lo[r], row_hi[r], out_ptrs.data());
+        }
+      }
+      prefetcher.issue(std::numeric_limits<int64_t>::max());
     }
   });
 
@@ -953,6 +1152,27 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
     }
   });
   return out;
+}
+
+at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                           const at::Tensor& positions, const at::Tensor& qo_indptr, const at::Tensor& page_indptr,
+                           const at::Tensor& page_indices, int64_t num_heads, int64_t num_kv_heads, double scale,
+                           int64_t window, const c10::optional<at::Tensor>& q_norm,
+                           const c10::optional<at::Tensor>& k_norm, double norm_eps,
+                           const c10::optional<at::Tensor>& tree_start, const c10::optional<at::Tensor>& tree_keys) {
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && v_cache.scalar_type() == dtype &&
+                  k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "K/V caches must be contiguous [pages, page_size, kv_heads, head_dim], both float32 or both bfloat16");
+  if (dtype == at::kBFloat16)
+    return paged_attention_impl<bf16_bits>(qkv, cos, sin, k_cache, v_cache, slot_mapping, positions, qo_indptr,
+                                           page_indptr, page_indices, num_heads, num_kv_heads, scale, window, q_norm,
+                                           k_norm, norm_eps, tree_start, tree_keys);
+  return paged_attention_impl<float>(qkv, cos, sin, k_cache, v_cache, slot_mapping, positions, qo_indptr, page_indptr,
+                                     page_indices, num_heads, num_kv_heads, scale, window, q_norm, k_norm, norm_eps,
+                                     tree_start, tree_keys);
 }
 
 // A stack of decoder layers' few-row cached forward in one call: per layer exactly the seven kernel calls the
