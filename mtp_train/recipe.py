@@ -63,6 +63,13 @@ class TargetSection(_Section):
         "weight-only int8 with a scale per row through the CPU decode kernels (an fp32 model; a quantized serving "
         "target: its logits differ from bf16's by quantization, docs/tuning.md)",
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="dtype of the target's paged K/V cache in decode, verify and generation; auto = bfloat16 when "
+        "the decode weights are bf16 or int8 (or the model is bf16), else the compute dtype. A bf16 cache halves the "
+        "bytes each step reads at long context; decode and verify both read it, so greedy speculative output stays "
+        "identical to plain greedy (docs/tuning.md)",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensor_parallel: int = Field(
         1, ge=1, le=64,
@@ -570,10 +577,13 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] | None = None) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def with_precision(recipe: Recipe, dtype: str, decode_dtype: str) -> Recipe:
-    """The recipe with `target.dtype: auto` (and `decode_dtype`) replaced by what a stage resolved them to, so that
-    `recipe.resolved.yaml` records the dtypes that really ran."""
-    target = recipe.target.model_copy(update={"dtype": dtype, "decode_dtype": decode_dtype})
+def with_precision(recipe: Recipe, dtype: str, decode_dtype: str, kv_cache_dtype: str | None = None) -> Recipe:
+    """The recipe with `target.dtype: auto` (and `decode_dtype`, `kv_cache_dtype` when given) replaced by what a
+    stage resolved them to, so that `recipe.resolved.yaml` records the dtypes that really ran."""
+    update = {"dtype": dtype, "decode_dtype": decode_dtype}
+    if kv_cache_dtype:
+        update["kv_cache_dtype"] = kv_cache_dtype
+    target = recipe.target.model_copy(update=update)
     return recipe.model_copy(update={"target": target})
 
 

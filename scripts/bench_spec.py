@@ -7,6 +7,8 @@ Paths (each with its own target, weight copies and head):
 - `auto`: the model as the pipeline loads it (`--dtype auto`: on an AVX2-only CPU fp32 weights, bf16 copies read
   by the kernels for forwards of up to `decode_max_rows` rows), the head as `eval` loads it (`head_decode_dtype:
   auto`: int8 draft weights where the kernels serve it);
+- `auto-kv-fp32`: `auto` with its K/V cache in fp32 (`target.kv_cache_dtype: float32`; `auto` holds it in bf16
+  when its decode weights are bf16): the cache's bytes, side by side;
 - `int8`: the quantized serving target (`target.decode_dtype: int8`: weight-only int8 copies read by the kernels),
   with an int8 head; its plain decode is timed beside `auto`'s in part 2.
 
@@ -38,13 +40,13 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PATHS = ("torch", "kernels-fp32", "auto", "int8")
+PATHS = ("torch", "kernels-fp32", "auto", "auto-kv-fp32", "int8")
 VERIFY_ROWS = (2, 4, 8)
 READ_BUFFER_BYTES = 256 * 2**20  # the buffer whose sum measures the read bandwidth (far larger than the caches)
 PROMPT_INSTRUCTION = "Summarize the text above in three sentences."
@@ -156,8 +158,9 @@ def load_paths(names, target_dir: Path, head_dir: str, precision) -> list[Decode
 
     paths = []
     for name in names:
-        if name in ("auto", "int8"):
-            path_precision = precision if name == "auto" else resolve_precision("auto", "int8", "cpu")
+        if name in ("auto", "auto-kv-fp32", "int8"):
+            path_precision = {"auto": precision, "auto-kv-fp32": replace(precision, kv_cache_dtype="float32"),
+                              "int8": resolve_precision("auto", "int8", "cpu")}[name]
             target = load_model(target_dir, device="cpu", precision=path_precision)
             head = load_head(head_dir, target)
             head_weights = apply_head_decode_weights(head, path_precision, "auto")
@@ -211,7 +214,7 @@ def weight_bytes_per_step(target) -> int:
 def kv_bytes_per_step(target, kv_len: int) -> int:
     """K/V bytes one decode step reads over a history of `kv_len` tokens (K and V, every layer)."""
     c = target.config
-    element = torch.empty((), dtype=target.dtype).element_size()  # the cache holds the target's dtype
+    element = torch.empty((), dtype=target.kv_cache_dtype or target.dtype).element_size()
     return 2 * c.num_hidden_layers * kv_len * c.num_key_value_heads * c.head_dim * element
 
 
@@ -447,13 +450,14 @@ def main() -> None:
         "auto_long_verify4_over_decode": f"{long.verify_over_decode(4):.3f}",
         "head_step_over_decode": f"{short.head_over_decode:.3f}",
     }
-    for name in ("torch", "kernels-fp32", "int8"):
+    for name in ("torch", "kernels-fp32", "auto-kv-fp32", "int8"):
         if name in by_name:
             key, p = name.replace("-", "_"), profiles[name, "short"]
             fields[f"{key}_decode_ms"] = f"{p.decode_seconds * 1e3:.2f}"
             fields[f"{key}_long_decode_ms"] = f"{profiles[name, 'long'].decode_seconds * 1e3:.2f}"
             fields[f"{key}_decode_bw_frac"] = f"{p.bandwidth_fraction:.3f}"
             fields[f"{key}_verify4_over_decode"] = f"{p.verify_over_decode(4):.3f}"
+            fields[f"{key}_long_verify4_over_decode"] = f"{profiles[name, 'long'].verify_over_decode(4):.3f}"
     fields |= {
         "best_mtp_k": best.removeprefix("auto_mtp_k"),
         "best_mtp_tau": f"{totals[best].tau:.3f}",
@@ -478,6 +482,7 @@ def main() -> None:
         "wall_s": f"{time.perf_counter() - run_started:.0f}",
         "threads": str(torch.get_num_threads()),
         "decode_dtype": precision.decode_dtype,
+        "kv_cache_dtype": precision.kv_cache_dtype or precision.dtype,
         "decode_max_rows": str(precision.decode_max_rows),
     }
     fields_text = " ".join(f"{key}={value}" for key, value in fields.items())

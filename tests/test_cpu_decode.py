@@ -111,6 +111,73 @@ def test_bad_inputs_are_refused_with_their_reason(ops):
         ops.linear(torch.randn(2, 8), torch.ones(4, 8, dtype=torch.int8), None, None, torch.ones(3))
 
 
+def _paged_attention_case(head_dim: int, cache_dtype: torch.dtype, history: int, num_new: int):
+    """A cache of `history` random keys/values on shuffled pages (6 query heads over 2 KV heads), and the fused q/k/v
+    rows of `num_new` new tokens after it; rotary tables of the identity (cos 1, sin 0)."""
+    generator = torch.Generator().manual_seed(head_dim + history)
+    heads, kv_heads, page_size = 6, 2, 16
+    num_pages = -(-(history + num_new) // page_size) + 2
+    k_cache = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=generator).to(cache_dtype)
+    v_cache = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=generator).to(cache_dtype)
+    pages = torch.randperm(num_pages, generator=generator).to(torch.int32)  # not in pool order
+    qkv = torch.randn(num_new, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    positions = torch.arange(history, history + num_new)
+    slots = (pages.long()[positions // page_size] * page_size + positions % page_size)
+    return heads, kv_heads, k_cache, v_cache, pages, qkv, positions, slots
+
+
+def _attend(ops, case, rows: slice, window: int, k_cache, v_cache):
+    heads, kv_heads, _, _, pages, qkv, positions, slots = case
+    qkv_rows = qkv[rows].clone()
+    n, head_dim = qkv_rows.shape[0], k_cache.shape[-1]
+    ones, zeros = torch.ones(n, head_dim), torch.zeros(n, head_dim)
+    return ops.paged_attention(qkv_rows, ones, zeros, k_cache, v_cache, slots[rows].clone(), positions[rows].clone(),
+                               torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, len(pages)], dtype=torch.int32),
+                               pages, heads, kv_heads, head_dim ** -0.5, window)
+
+
+@pytest.mark.parametrize("head_dim", [64, 32, 16])  # 64, 32: the register tiles; 16: the portable loops
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32-cache", "bf16-cache"])
+@pytest.mark.parametrize("window", [0, 50])
+def test_paged_attention_matches_the_formula_and_decode_steps(ops, head_dim, cache_dtype, window):
+    """Attention over a paged cache in place, for 5 new tokens after 139 cached ones (chunks of 64 keys, a partial
+    last page, shuffled pages, grouped query heads, an optional sliding window), with an fp32 and a bf16 cache: the
+    new K/V land in their slots rounded to the cache's dtype, the output is softmax(q K^T / sqrt(d)) V over the cache
+    (within fp32 accumulation, float64 reference), and each token's row is bit-identical whether the 5 are verified
+    at once or decoded one by one."""
+    case = _paged_attention_case(head_dim, cache_dtype, history=139, num_new=5)
+    heads, kv_heads, k_cache, v_cache, pages, qkv, positions, slots = case
+    verify_k, verify_v = k_cache.clone(), v_cache.clone()
+    verified = _attend(ops, case, slice(0, 5), window, verify_k, verify_v)  # [5, heads * head_dim]
+    step_k, step_v = k_cache.clone(), v_cache.clone()
+    steps = torch.cat([_attend(ops, case, slice(t, t + 1), window, step_k, step_v) for t in range(5)])
+    assert torch.equal(verified, steps)
+    assert torch.equal(verify_k, step_k) and torch.equal(verify_v, step_v)
+
+    q, k, v = qkv.view(5, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    flat_k, flat_v = verify_k.view(-1, kv_heads, head_dim), verify_v.view(-1, kv_heads, head_dim)
+    assert torch.equal(flat_k[slots], k.to(cache_dtype)) and torch.equal(flat_v[slots], v.to(cache_dtype))
+    for t in range(5):
+        p = int(positions[t])
+        keys = torch.arange(max(0, p - window + 1) if window else 0, p + 1)
+        key_slots = pages.long()[keys // 16] * 16 + keys % 16
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            scores = flat_k[key_slots, g].double() @ q[t, h].double() * head_dim ** -0.5
+            expected = torch.softmax(scores, 0) @ flat_v[key_slots, g].double()
+            row = verified[t, h * head_dim:(h + 1) * head_dim].double()
+            torch.testing.assert_close(row, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_refuses_caches_of_mixed_or_other_dtypes(ops):
+    case = _paged_attention_case(32, torch.float32, history=20, num_new=1)
+    k_cache, v_cache = case[2], case[3]
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        _attend(ops, case, slice(0, 1), 0, k_cache, v_cache.bfloat16())
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        _attend(ops, case, slice(0, 1), 0, k_cache.half(), v_cache.half())
+
+
 # ---- the decode path on a tiny Llama -------------------------------------------------------------------------------
 
 
@@ -182,6 +249,29 @@ def test_greedy_speculative_equals_plain_greedy_through_the_kernels(ops, tiny_di
     assert head.layers[0].decode_kernel is not None and isinstance(head.eh_proj, DecodeLinear)
     _, stats = run_and_compare(target, head, make_prompts(batch_size), max_new_tokens=12, k=k)
     assert stats.accepted_tokens > 0  # a last-layer head agrees with its target now and then
+
+
+@pytest.mark.parametrize("through_kernels", [True, False], ids=["kernels", "torch-attention"])
+def test_a_bf16_kv_cache_keeps_greedy_speculation_exact_and_logits_within_its_rounding(ops, tiny_dir, through_kernels):
+    """`kv_cache_dtype` bf16 (through the paged kernel, and through the torch attention of a model without the decode
+    path): every K/V row is rounded once as it is written, decode and verify read the same rows, so greedy speculative
+    output equals plain greedy; a verify's logits stay within bf16 rounding of the fp32 cache's."""
+    def target_with(cache_dtype):
+        model = _kernel_model(tiny_dir) if through_kernels else load_model(tiny_dir, dtype="float32", device="cpu")
+        model.kv_cache_dtype = cache_dtype
+        return model
+
+    reference, target = target_with(torch.float32), target_with(torch.bfloat16)
+    assert all(k.dtype == torch.bfloat16 for k, _ in target.new_kv_cache(PageAllocator(4, 4)).layers)
+    fp32_logits, bf16_logits = _verify_logits(reference), _verify_logits(target)
+    difference = (fp32_logits - bf16_logits).abs().max()
+    assert 0 < difference <= 0.02 * fp32_logits.abs().max()
+    torch.manual_seed(0)
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="last_layer"))
+    if through_kernels:
+        apply_decode_path(head, torch.float32, KERNEL_MAX_ROWS)
+    _, stats = run_and_compare(target, head, make_prompts(3), max_new_tokens=12, k=3)
+    assert stats.accepted_tokens > 0
 
 
 def _verify_logits(model) -> torch.Tensor:

@@ -121,6 +121,31 @@ def test_explicit_dtypes_are_honoured():
         resolve_precision("fp8", "auto", "cpu", facts=AVX2)
 
 
+def test_the_kv_cache_follows_the_decode_weights_unless_set(tmp_path):
+    """`target.kv_cache_dtype: auto`: bf16 where decode reads bf16 or int8 weights (or the model is bf16), else the
+    compute dtype; as set otherwise; anything else refused with the key's name. The loader hands it to the model."""
+    from mtp_train.runtime.loader import load_model
+    from tests.tiny_models import save_tiny_model
+
+    timed = resolve_precision("auto", "auto", "cpu", facts=AVX2, decode_timer=lambda: _timing(4))
+    assert timed.kv_cache_dtype == "bfloat16" and "K/V cache bfloat16" in timed.describe()
+    assert "K/V cache" not in timed.describe("prefill")
+    fp32 = resolve_precision("float32", "auto", "cpu", facts=AVX2, decode_timer=_never_called)
+    assert fp32.kv_cache_dtype == "float32" and "K/V cache" not in fp32.describe()
+    assert resolve_precision("bfloat16", "auto", "cpu", facts=AVX2).kv_cache_dtype == "bfloat16"
+    pinned = resolve_precision("auto", "auto", "cpu", facts=AVX2, decode_timer=lambda: _timing(4),
+                               kv_cache_dtype="float32")
+    assert (pinned.decode_dtype, pinned.kv_cache_dtype) == ("bfloat16", "float32")
+    assert resolve_precision("float32", "auto", "cpu", kv_cache_dtype="bfloat16").kv_cache_torch_dtype == torch.bfloat16
+    with pytest.raises(UserError, match="target.kv_cache_dtype: 'int8'"):
+        resolve_precision("float32", "auto", "cpu", kv_cache_dtype="int8")
+    model = load_model(save_tiny_model(tmp_path, "llama"), device="cpu", precision=timed)
+    assert model.kv_cache_dtype == torch.bfloat16
+    from mtp_train.runtime.kv_cache import PageAllocator
+
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in model.new_kv_cache(PageAllocator(4, 4)).layers)
+
+
 def test_decode_rows_stop_at_the_first_row_count_where_bf16_loses():
     timing = _timing(4)
     timing[2]["bfloat16"] = 1.0  # a noisy loss at 2 rows ends the range there

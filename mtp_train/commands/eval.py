@@ -119,7 +119,8 @@ def run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new
         import torch
 
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
-    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device) if layout.is_leader else None
+    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device,
+                                  kv_cache_dtype=recipe.target.kv_cache_dtype) if layout.is_leader else None
     precision = group.broadcast_object(precision)  # one decode path on every rank: the same logits, the same tokens
     if layout.is_leader:
         print(f"eval: {precision.describe()}", flush=True)

@@ -40,6 +40,9 @@ def register(subparsers) -> None:
                    help="compute dtype (auto: the fastest this device has; `mtp-train env` shows the choice)")
     p.add_argument("--decode-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="weights of the few-row decode/verify matmuls (auto: --dtype when set, else timed)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the paged K/V cache (auto: bfloat16 when the decode weights are bf16 or int8, else the "
+                   "compute dtype)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     draft = p.add_mutually_exclusive_group()
@@ -138,7 +141,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError(str(err)) from None
     target = args.target or _default_target()
     device = resolve_device(args.device)
-    precision = resolve_precision(args.dtype, args.decode_dtype, device)
+    precision = resolve_precision(args.dtype, args.decode_dtype, device, kv_cache_dtype=args.kv_cache_dtype)
     if not args.json:
         print(f"[{precision.describe()}]", file=sys.stderr)
     model = load_model(target, device=device, precision=precision)

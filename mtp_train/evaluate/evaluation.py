@@ -69,6 +69,7 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
         "prompts": prompt_set.source, "num_prompts": len(prompt_set.prompts), "skipped": prompt_set.skipped,
         "settings": {"dtype": precision.dtype, "decode_dtype": precision.decode_dtype,
                      "decode_max_rows": precision.decode_max_rows, "precision_reason": precision.reason,
+                     "kv_cache_dtype": precision.kv_cache_dtype or precision.dtype,
                      "head_decode_weights": getattr(draft, "decode_weights", None),
                      "cpu_capability": machine_name(target.device), "batch_size": batch_sizes[0],
                      "batch_sizes": list(batch_sizes),

@@ -292,6 +292,7 @@ class TorchAttention(AttentionBackend):
             if q.device.type == "cpu" and n_q <= _SMALL_QUERY:
                 out = _small_query_attention(q_b, k_b, v_b, plan["padded_mask"], scale)
             else:
+                k_b, v_b = k_b.to(q.dtype), v_b.to(q.dtype)  # a cache in another dtype (bf16 K/V, fp32 queries)
                 out = F.scaled_dot_product_attention(
                     q_b, k_b, v_b, attn_mask=plan["padded_mask"], scale=scale, enable_gqa=gqa
                 )
@@ -299,7 +300,11 @@ class TorchAttention(AttentionBackend):
         outputs = []
         for b, (start, end) in enumerate(plan["rows"]):
             q_b = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n_q, head_dim]
-            if layer_cache is not None:
+            if layer_cache is not None and batch.kv_lens[b] == end - start:
+                # a prefill of the whole sequence: its own fresh K/V are its whole history (the same values as the
+                # cache's in the cache's dtype; unrounded where the cache is narrower, e.g. bf16 K/V)
+                k_b, v_b = k[start:end], v[start:end]
+            elif layer_cache is not None:
                 slots = plan["kv_slots"][b]
                 if isinstance(slots, slice):
                     k_b, v_b = k_flat[slots], v_flat[slots]  # [kv_len, kv_heads, head_dim], views
@@ -307,8 +312,8 @@ class TorchAttention(AttentionBackend):
                     k_b, v_b = k_flat.index_select(0, slots), v_flat.index_select(0, slots)
             else:
                 k_b, v_b = k[start:end], v[start:end]
-            k_b = k_b.transpose(0, 1).unsqueeze(0)
-            v_b = v_b.transpose(0, 1).unsqueeze(0)
+            k_b = k_b.to(q.dtype).transpose(0, 1).unsqueeze(0)  # a cache may hold another dtype (bf16 K/V)
+            v_b = v_b.to(q.dtype).transpose(0, 1).unsqueeze(0)
             mask = plan["masks"][b]
             if isinstance(mask, str):
                 out = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=gqa)

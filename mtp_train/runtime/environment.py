@@ -76,7 +76,7 @@ def format_env(env: dict) -> str:
                                     f"bf16 {'yes' if d['bf16'] else 'no'}" for d in env["cuda"]) or "none"),
         f"auto dtype: compute {auto['dtype']}, decode weights {auto['decode_dtype']}"
         + (f" (≤ {auto['decode_max_rows']} rows)" if auto["decode_dtype"] != auto["dtype"] else "")
-        + f" on {auto['device']}",
+        + f", K/V cache {auto.get('kv_cache_dtype') or auto['dtype']} on {auto['device']}",
         f"  because:  {auto['reason']}",
         f"decode kernels: {env['decode_kernels']}",
     ]

@@ -143,6 +143,7 @@ def finish_loading(model: CausalLM, model_dir: Path, device: torch.device, preci
         if precision.decode_dtype not in DECODE_ONLY_DTYPES:  # int8: checked where it was resolved (CPU kernels)
             resolve_dtype(precision.decode_dtype, device)
         apply_decode_weights(model, precision)
+        model.kv_cache_dtype = precision.kv_cache_torch_dtype
     return model
 
 

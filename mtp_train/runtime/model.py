@@ -219,6 +219,8 @@ class CausalLM(nn.Module):
         self.backend = backend or TorchAttention()
         self.source_dir: str | None = None  # set by the loader; names the checkpoint for fingerprints
         self._fingerprint: str | None = None
+        self.kv_cache_dtype: torch.dtype | None = None  # the paged K/V cache's dtype (None: the model's); the loader
+        # sets it from `Precision.kv_cache_dtype`
 
     @property
     def fingerprint(self) -> str | None:
@@ -249,8 +251,11 @@ class CausalLM(nn.Module):
                      + 2 * c.hidden_size * c.vocab_size * logits_rows)
 
     def new_kv_cache(self, allocator: PageAllocator) -> KVCache:
+        """The paged K/V cache, in `kv_cache_dtype` (set by the loader from `Precision.kv_cache_dtype`; else the
+        model's dtype)."""
         c = self.config
-        return KVCache(allocator, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+        return KVCache(allocator, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                       self.kv_cache_dtype or self.dtype, self.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] post-norm states -> [n, vocab] fp32 logits."""

@@ -32,7 +32,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -63,10 +63,15 @@ class Precision:
     decode_max_rows: int
     reason: str
     requested: str = "auto"
+    kv_cache_dtype: str = ""  # the target's paged K/V cache ("" = `dtype`); see `resolve_kv_cache_dtype`
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.dtype]
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.kv_cache_dtype or self.dtype]
 
     @property
     def decode_torch_dtype(self) -> torch.dtype:
@@ -83,6 +88,8 @@ class Precision:
             what = f"compute dtype {self.dtype}"
         else:
             what = f"compute dtype {self.dtype}, decode weights {self.decode_dtype} (≤ {self.decode_max_rows} rows)"
+        if phase != "prefill" and self.kv_cache_dtype and self.kv_cache_dtype != self.dtype:
+            what += f", K/V cache {self.kv_cache_dtype}"
         return f"{what} ({self.requested}: {self.reason})" if self.requested == "auto" else f"{what} (as set)"
 
     def as_dict(self) -> dict:
@@ -210,9 +217,35 @@ def resolve_precision(
     reprobe: bool = False,
     decode_timer=None,
     prefill_timer=None,
+    kv_cache_dtype: str = "auto",
 ) -> Precision:
-    """Resolve the recipe's `target.dtype` / `target.decode_dtype` for `device`. `phases` names what the stage runs:
-    a stage that never decodes (precompute, training) skips the decode timing."""
+    """Resolve the recipe's `target.dtype` / `target.decode_dtype` / `target.kv_cache_dtype` for `device`. `phases`
+    names what the stage runs: a stage that never decodes (precompute, training) skips the decode timing."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise UserError(f"target.kv_cache_dtype: {kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
+    precision = _resolve_weights(dtype, decode_dtype, device, facts, cuda_bf16, phases, reprobe, decode_timer,
+                                 prefill_timer)
+    return replace(precision, kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype, precision))
+
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_kv_cache_dtype(requested: str, precision: Precision) -> str:
+    """The target's K/V cache dtype: as set, or (`auto`) bf16 where decode already reads bf16 or int8 weights (or the
+    model is bf16: the cache then keeps the model's dtype), else the compute dtype. The cache is what a decode step
+    reads besides the weights: at 4k tokens SmolLM2's fp32 K/V is 189 MB a step against 265 MB of bf16 weights, and
+    a bf16 cache halves it (its rounding is that of a bf16 model's cache; decode and verify read the same cache, so
+    greedy speculative output stays identical to plain greedy). Measured in docs/tuning.md."""
+    if requested != "auto":
+        return requested
+    if precision.dtype == "bfloat16" or precision.decode_dtype in ("bfloat16", "int8"):
+        return "bfloat16"
+    return precision.dtype
+
+
+def _resolve_weights(dtype, decode_dtype, device, facts, cuda_bf16, phases, reprobe, decode_timer,
+                     prefill_timer) -> Precision:
     for name, value, allowed in (("target.dtype", dtype, DTYPE_NAMES),
                                  ("target.decode_dtype", decode_dtype, DTYPE_NAMES + tuple(DECODE_ONLY_DTYPES))):
         if value != "auto" and value not in allowed:

@@ -290,7 +290,7 @@ def _install_communication(model: CausalLM, group: TensorParallelGroup) -> None:
 
     def new_kv_cache(allocator: PageAllocator) -> KVCache:
         """This rank's KV heads only ([pages, page_size, local_kv_heads, head_dim] per layer)."""
-        return KVCache(allocator, num_layers, num_kv_heads, head_dim, model.dtype, model.device)
+        return KVCache(allocator, num_layers, num_kv_heads, head_dim, model.kv_cache_dtype or model.dtype, model.device)
 
     model.new_kv_cache = new_kv_cache
     model.tensor_parallel = group
