@@ -144,6 +144,7 @@ def _summary(recipe, prepared_dir: Path, features_dir: Path, run_dir: Path, expo
                  "dtype": report.get("settings", {}).get("dtype"),
                  "decode_dtype": report.get("settings", {}).get("decode_dtype"),
                  "head_decode_weights": report.get("settings", {}).get("head_decode_weights"),
+                 "kv_cache_dtype": report.get("settings", {}).get("kv_cache_dtype"),
                  "machine": report.get("settings", {}).get("cpu_capability"),
                  "best": report.get("best", {}).get("method"), "best_k": _best_k(report),
                  "cost_curve": report.get("cost_curve")},
@@ -208,6 +209,8 @@ def _markdown(summary: dict) -> str:
     lines.append("| stage times | " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + " |")
     decode = (f"{ev['dtype']}, decode weights {ev['decode_dtype']}" if ev.get("decode_dtype") not in (None, ev["dtype"])
               else ev.get("dtype"))
+    if ev.get("kv_cache_dtype") not in (None, ev.get("dtype")):
+        decode += f", K/V cache {ev['kv_cache_dtype']}"
     if ev.get("head_decode_weights"):
         decode += f", the head's draft weights {ev['head_decode_weights']}"
     lines += ["", (f"Held-out prompts: {ev['num_prompts']} ({ev['prompts']}), ≤ {ev['max_new_tokens']} new tokens, "

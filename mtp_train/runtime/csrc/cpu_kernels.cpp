@@ -964,7 +964,7 @@ at::Tensor paged_attention_impl(const at::Tensor& qkv, const at::Tensor& cos, co
   const int32_t* pages = page_indices.data_ptr<int32_t>();
   const int64_t group = H / G;
   const float scale_f = static_cast<float>(scale);
-  const int64_t slot_floats = G * D;  // one cached token: every KV head
+  const int64_t slot_elems = G * D;  // one cached token: every KV head
   auto first_key = [&](int64_t p) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : int64_t(0); };
 
   // Per sequence: its chunk range and where its tasks and partial results start.
@@ -1003,9 +1003,9 @@ at::Tensor paged_attention_impl(const at::Tensor& qkv, const at::Tensor& cos, co
       for (int64_t p = lo; p < hi;) {
         const int64_t run = std::min(hi - p, page_size - p % page_size);  // slots left in this page
         const int64_t slot = static_cast<int64_t>(pages[pind[b] + p / page_size]) * page_size + p % page_size;
-        runs.push_back({reinterpret_cast<const char*>(kc + slot * slot_floats),
-                        reinterpret_cast<const char*>(vc + slot * slot_floats),
-                        run * slot_floats * static_cast<int64_t>(sizeof(C))});
+        runs.push_back({reinterpret_cast<const char*>(kc + slot * slot_elems),
+                        reinterpret_cast<const char*>(vc + slot * slot_elems),
+                        run * slot_elems * static_cast<int64_t>(sizeof(C))});
         p += run;
       }
     };
@@ -1045,8 +1045,8 @@ at::Tensor paged_attention_impl(const at::Tensor& qkv, const at::Tensor& cos, co
       const int64_t prefetch_slice = prefetcher.lines / (G + G * n_q) + 1;
       // The chunk's K and V rows, one pointer per key (pages are looked up once, not per head).
       for (int64_t p = lo_all; p < hi_all; ++p) {
-        k_rows[p - key_lo] = kc + slot_of(p) * slot_floats;
-        v_rows[p - key_lo] = vc + slot_of(p) * slot_floats;
+        k_rows[p - key_lo] = kc + slot_of(p) * slot_elems;
+        v_rows[p - key_lo] = vc + slot_of(p) * slot_elems;
       }
       scores.assign(rows * kKeyChunk, 0.f);
       // A tree node's own key rows where the chunk reaches its sequence's tree region (its ancestors'), else the
@@ -1060,8 +1060,8 @@ at::Tensor paged_attention_impl(const at::Tensor& qkv, const at::Tensor& cos, co
           for (int64_t i = row_lo[r]; i < row_hi[r]; ++i) {
             const int64_t q = key_lo + i;
             const int64_t index = q < region ? q : tree_keys_ptr[(t0 + r) * tree_width + (q - region)];
-            row_k[r * kKeyChunk + i] = kc + slot_of(index) * slot_floats;
-            row_v[r * kKeyChunk + i] = vc + slot_of(index) * slot_floats;
+            row_k[r * kKeyChunk + i] = kc + slot_of(index) * slot_elems;
+            row_v[r * kKeyChunk + i] = vc + slot_of(index) * slot_elems;
           }
       }
       auto keys_of = [&](int64_t r) { return tree_chunk ? row_k.data() + r * kKeyChunk : k_rows.data(); };
