@@ -577,13 +577,10 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] | None = None) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def with_precision(recipe: Recipe, dtype: str, decode_dtype: str, kv_cache_dtype: str | None = None) -> Recipe:
-    """The recipe with `target.dtype: auto` (and `decode_dtype`, `kv_cache_dtype` when given) replaced by what a
-    stage resolved them to, so that `recipe.resolved.yaml` records the dtypes that really ran."""
-    update = {"dtype": dtype, "decode_dtype": decode_dtype}
-    if kv_cache_dtype:
-        update["kv_cache_dtype"] = kv_cache_dtype
-    target = recipe.target.model_copy(update=update)
+def with_precision(recipe: Recipe, dtype: str, decode_dtype: str) -> Recipe:
+    """The recipe with `target.dtype: auto` (and `decode_dtype`) replaced by what a stage resolved them to, so that
+    `recipe.resolved.yaml` records the dtypes that really ran."""
+    target = recipe.target.model_copy(update={"dtype": dtype, "decode_dtype": decode_dtype})
     return recipe.model_copy(update={"target": target})
 
 

@@ -81,7 +81,8 @@ def main() -> None:
     most = max(max(args.batch_sizes), args.num_prompts)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in load_prompts(args.prompts, most)]
     c = ours.config
-    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (ours.kv_cache_dtype or ours.dtype).itemsize
+    kv_element = (ours.kv_cache_dtype or ours.dtype).itemsize
+    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_element
 
     def run_ours(batch: list[list[int]], new_tokens: int) -> tuple[int, float, float]:
         """(new tokens, seconds of the whole call, seconds of the decode steps)"""

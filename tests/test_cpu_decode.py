@@ -131,9 +131,9 @@ def _attend(ops, case, rows: slice, window: int, k_cache, v_cache):
     qkv_rows = qkv[rows].clone()
     n, head_dim = qkv_rows.shape[0], k_cache.shape[-1]
     ones, zeros = torch.ones(n, head_dim), torch.zeros(n, head_dim)
+    qo_indptr, page_indptr = torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, len(pages)], dtype=torch.int32)
     return ops.paged_attention(qkv_rows, ones, zeros, k_cache, v_cache, slots[rows].clone(), positions[rows].clone(),
-                               torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, len(pages)], dtype=torch.int32),
-                               pages, heads, kv_heads, head_dim ** -0.5, window)
+                               qo_indptr, page_indptr, pages, heads, kv_heads, head_dim ** -0.5, window)
 
 
 @pytest.mark.parametrize("head_dim", [64, 32, 16])  # 64, 32: the register tiles; 16: the portable loops
