@@ -145,6 +145,10 @@ def test_paged_attention_matches_the_formula_and_decode_steps(ops, head_dim, cac
     new K/V land in their slots rounded to the cache's dtype, the output is softmax(q K^T / sqrt(d)) V over the cache
     (within fp32 accumulation, float64 reference), and each token's row is bit-identical whether the 5 are verified
     at once or decoded one by one."""
+    _check_paged_attention(ops, head_dim, cache_dtype, window)
+
+
+def _check_paged_attention(ops, head_dim: int, cache_dtype: torch.dtype, window: int) -> None:
     case = _paged_attention_case(head_dim, cache_dtype, history=139, num_new=5)
     heads, kv_heads, k_cache, v_cache, pages, qkv, positions, slots = case
     verify_k, verify_v = k_cache.clone(), v_cache.clone()
@@ -391,6 +395,10 @@ for weight in (torch.randn(40, 96, generator=gen), torch.randn(40, 96, generator
     torch.testing.assert_close(ops.linear(x, weight, None, None), (met @ weight.double().T).float(), rtol=1e-5, atol=1e-4)
     rows = ops.linear(x, weight, None, None)
     assert all(torch.equal(rows[i], ops.linear(x[i:i + 1], weight, None, None)[0]) for i in range(5))
+from tests.test_cpu_decode import _check_paged_attention
+for head_dim in (64, 16):
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        _check_paged_attention(ops, head_dim, cache_dtype, window=50)
 print("ok", kernels.kernels_variant(), ops.bf16_activations())
 """
 
@@ -398,7 +406,8 @@ print("ok", kernels.kernels_variant(), ops.bf16_activations())
 def test_the_other_build_of_this_cpu_computes_the_same(tmp_path):
     """The build this CPU does not pick by default, forced with MTP_TRAIN_CPU_KERNELS (AVX2 on an AVX-512 machine,
     the portable one on an AVX2 machine): built, loaded, the linear within fp32 accumulation of the reference and
-    its rows bit-identical to single-row calls. Run in a subprocess: a process loads one build."""
+    its rows bit-identical to single-row calls, the paged attention over fp32 and bf16 caches as in
+    `test_paged_attention_matches_the_formula_and_decode_steps`. Run in a subprocess: a process loads one build."""
     import os
     import subprocess
     import sys
