@@ -1170,13 +1170,12 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
                   k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(),
               "K/V caches must be contiguous [pages, page_size, kv_heads, head_dim], both float32 or both bfloat16");
-  if (dtype == at::kBFloat16)
-    return paged_attention_impl<bf16_bits>(qkv, cos, sin, k_cache, v_cache, slot_mapping, positions, qo_indptr,
-                                           page_indptr, page_indices, num_heads, num_kv_heads, scale, window, q_norm,
-                                           k_norm, norm_eps, tree_start, tree_keys);
-  return paged_attention_impl<float>(qkv, cos, sin, k_cache, v_cache, slot_mapping, positions, qo_indptr, page_indptr,
-                                     page_indices, num_heads, num_kv_heads, scale, window, q_norm, k_norm, norm_eps,
-                                     tree_start, tree_keys);
+  auto attend = [&](auto element) {  // the cache's element type: float or bf16_bits
+    return paged_attention_impl<decltype(element)>(qkv, cos, sin, k_cache, v_cache, slot_mapping, positions, qo_indptr,
+                                                   page_indptr, page_indices, num_heads, num_kv_heads, scale, window,
+                                                   q_norm, k_norm, norm_eps, tree_start, tree_keys);
+  };
+  return dtype == at::kBFloat16 ? attend(bf16_bits{}) : attend(float{});
 }
 
 // A stack of decoder layers' few-row cached forward in one call: per layer exactly the seven kernel calls the
