@@ -187,6 +187,7 @@ def test_the_default_allocator_is_enough(models):
         ("mtp_chain", 1, SamplingParams(temperature=1.0, top_k=3), LOSSLESS_SAMPLES),
         ("mtp_chain", 2, SamplingParams(temperature=0.8, top_p=0.8), LOSSLESS_SAMPLES),
         ("target_draft", 1, SamplingParams(temperature=1.0, top_k=5), LOSSLESS_SAMPLES),
+        ("prompt_lookup", 2, SamplingParams(temperature=1.0), LOSSLESS_SAMPLES),
         ("mtp_chain", 2, SamplingParams(temperature=1.0), 4),
     ],
 )
@@ -200,6 +201,8 @@ def test_speculative_sampling_is_lossless_chi2(small_vocab_target, schedule, k, 
     target = small_vocab_target
     if schedule == "mtp_chain":
         draft = make_head(target, "last_layer")
+    elif schedule == "prompt_lookup":  # one-hot draft distributions (the greedy path proposes ids without them)
+        draft = PromptLookup()
     else:
         draft = load_model(target.source_dir, dtype="float32", device="cpu")  # a perturbed copy of the target
         with torch.no_grad():
@@ -362,6 +365,36 @@ def test_ngram_lookup_finds_latest_longest_match():
     assert ngram_next_token([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]) == 7  # latest occurrence of (1, 2, 3)
     assert ngram_next_token([4, 2, 3, 8, 5, 2, 3]) == 8  # falls back to the 2-gram (2, 3)
     assert ngram_next_token([1, 2, 3, 4]) is None
+
+
+def test_ngram_lookup_skips_matches_that_straddle_token_ids():
+    """The search runs over the ids packed as 4-byte ints: a byte match across two ids is not a token match."""
+    # little-endian: 1 is 01 00 00 00, which 256 (00 01 00 00) then 0 (00 00 00 00) hold from their second byte
+    assert ngram_next_token([256, 0, 1]) is None
+    assert ngram_next_token([1, 5, 256, 0, 1]) == 5  # the latest match straddles 256 and 0; the real one is id 0
+    assert ngram_next_token([65536, 2, 131073, 65536]) == 2  # 65536 (00 00 01 00) inside 2 (02 00 00 00), 131073
+
+
+def test_prompt_lookup_proposals_follow_the_ngram_chain_greedy_or_sampled(tmp_path):
+    """Greedy proposals are the looked-up ids (no vocabulary rows); sampled ones the same ids with one-hot draft
+    distributions, so rejection sampling sees q = 1 on the drafted token."""
+    from mtp_train.runtime.spec.proposer import Request
+    from mtp_train.runtime.spec.prompt_lookup import PromptLookupState
+
+    target = load_model(save_tiny_model(tmp_path / "t", seed=3), dtype="float32", device="cpu")
+    proposer = PromptLookupProposer(target, PromptLookup(), allocator=None)
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0)):
+        requests = [Request(0, [5, 6, 7, 8, 5, 6, 7], [], PromptLookupState()), Request(1, [9, 4], [], PromptLookupState())]
+        proposer.catch_up(requests)
+        first, second = proposer.propose(requests, [3, 2], sampling, torch.Generator().manual_seed(0))
+        assert first.draft_token_ids.tolist() == [8, 5, 6]  # (5,6,7) -> 8, then (6,7,8) -> 5, (7,8,5) -> 6
+        assert second.draft_token_ids.tolist() == [4, 4]  # no match: the last token again
+        if sampling.greedy:
+            assert first.draft_probs is None and second.draft_probs is None
+        else:
+            assert first.draft_probs.shape == (3, target.config.vocab_size)
+            assert torch.equal(first.draft_probs.argmax(-1), first.draft_token_ids)
+            assert torch.equal(first.draft_probs.sum(-1), torch.ones(3))
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -18,6 +18,7 @@ import torch
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.model import CausalLM
+from mtp_train.runtime.sampler import SamplingParams
 from mtp_train.runtime.spec.prompt_lookup import (
     PromptLookup,
     PromptLookupProposer,
@@ -129,11 +130,16 @@ def head_step_seconds(target, head, prompt_ids: list[int], repeats: int = 50) ->
 
 
 def lookup_step_seconds(target, lookup: PromptLookup, prompt_ids: list[int], repeats: int = 50) -> float:
-    """Seconds of one prompt-lookup draft step over `prompt_ids`: the n-gram search and the one-hot row the proposer
-    builds, through the proposer's own code."""
+    """Seconds of one prompt-lookup draft step over `prompt_ids`: the proposer's catch-up and a greedy proposal of one
+    token (the n-gram search), through the proposer's own code."""
     proposer = PromptLookupProposer(target, lookup, allocator=None)
     request = Request(0, list(prompt_ids), [], PromptLookupState())
-    return best_seconds(lambda: proposer.catch_up([request]), repeats)
+
+    def step() -> None:
+        proposer.catch_up([request])
+        proposer.propose([request], [1], SamplingParams(), None)
+
+    return best_seconds(step, repeats)
 
 
 def draft_step_seconds(target, draft, prompt_ids: list[int], repeats: int = 20) -> float:
