@@ -38,7 +38,7 @@ test: setup assets
 BENCH_ARGS ?=
 bench: setup assets
 	$(BIN)/mtp-train fetch-assets --dataset sharegpt
-	for b in decode precompute train train_memory spec draft_vocab; do $(BIN)/python scripts/bench_$$b.py $(BENCH_ARGS) || exit 1; done
+	for b in decode precompute train train_memory spec spec_loop draft_vocab; do $(BIN)/python scripts/bench_$$b.py $(BENCH_ARGS) || exit 1; done
 
 clean-venv:
 	rm -rf $(VENV)

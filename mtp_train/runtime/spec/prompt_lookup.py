@@ -29,8 +29,7 @@ def ngram_next_token(tokens: list[int], max_ngram: int = 3, min_ngram: int = 1) 
     """The token after the latest earlier occurrence of the last n tokens, longest n first; None without a match.
 
     Searched as bytes (`bytes.rfind`, C speed) over the ids packed as C ints, keeping the matches that start on an id
-    boundary: a Python scan over the slices took ~0.1-0.3 ms a draft at a few hundred tokens of context, a tenth of a
-    decode step, where this takes a few microseconds."""
+    boundary. At 400 tokens without a match: 175 µs for a Python scan over the slices, 15 µs this way (Zen 4)."""
     haystack = array("i", tokens).tobytes()
     searched_end = (len(tokens) - 1) * _ID_BYTES  # a match must end before the last token (its successor exists)
     for n in range(max_ngram, min_ngram - 1, -1):
@@ -81,9 +80,9 @@ class PromptLookupProposer(Proposer):
 
     def propose(self, requests: list[Request], num_drafts: list[int], sampling: SamplingParams,
                 generator: torch.Generator) -> list[DraftProposal]:
-        """Greedy: the looked-up tokens themselves (no vocabulary-sized rows: building and arg-maxing two one-hot
-        [vocab] rows per draft cost more than the lookup). Sampling: the shared draft loop over one-hot logits (the
-        draft distribution rejection sampling needs)."""
+        """Greedy: the looked-up tokens themselves (building a one-hot [vocab] row per draft and arg-maxing it cost more
+        than the lookup). Sampling: the shared draft loop over one-hot logits (the draft distribution rejection
+        sampling needs)."""
         if not sampling.greedy:
             for req in requests:
                 req.draft.next_logits = self._one_hot_logits(req.draft.context)
