@@ -372,7 +372,7 @@ def test_ngram_lookup_skips_matches_that_straddle_token_ids():
     # little-endian: 1 is 01 00 00 00, which 256 (00 01 00 00) then 0 (00 00 00 00) hold from their second byte
     assert ngram_next_token([256, 0, 1]) is None
     assert ngram_next_token([1, 5, 256, 0, 1]) == 5  # the latest match straddles 256 and 0; the real one is id 0
-    assert ngram_next_token([65536, 2, 131073, 65536]) == 2  # 65536 (00 00 01 00) inside 2 (02 00 00 00), 131073
+    assert ngram_next_token([65536, 2, 131073, 65536]) == 2  # 65536 (00 00 01 00) straddles 2 and 131073 too
 
 
 def test_prompt_lookup_proposals_follow_the_ngram_chain_greedy_or_sampled(tmp_path):
@@ -384,7 +384,8 @@ def test_prompt_lookup_proposals_follow_the_ngram_chain_greedy_or_sampled(tmp_pa
     target = load_model(save_tiny_model(tmp_path / "t", seed=3), dtype="float32", device="cpu")
     proposer = PromptLookupProposer(target, PromptLookup(), allocator=None)
     for sampling in (SamplingParams(), SamplingParams(temperature=1.0)):
-        requests = [Request(0, [5, 6, 7, 8, 5, 6, 7], [], PromptLookupState()), Request(1, [9, 4], [], PromptLookupState())]
+        requests = [Request(0, [5, 6, 7, 8, 5, 6, 7], [], PromptLookupState()),
+                    Request(1, [9, 4], [], PromptLookupState())]
         proposer.catch_up(requests)
         first, second = proposer.propose(requests, [3, 2], sampling, torch.Generator().manual_seed(0))
         assert first.draft_token_ids.tolist() == [8, 5, 6]  # (5,6,7) -> 8, then (6,7,8) -> 5, (7,8,5) -> 6
