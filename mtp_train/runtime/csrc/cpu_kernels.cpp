@@ -246,6 +246,9 @@ inline void row_dots_avx512(const W* row, const float* x, int64_t ldx, int64_t K
 // values (P K). P == 2: a row alternates 8-value gate and up chunks, so fp32 lanes 0-3, 8-11 sum gate products, 4-7,
 // 12-15 up. Two rows per pass (NW = 2) share each activation load and the loop's overhead: with SmolLM2's 576-wide
 // rows (1,152 bytes, nine iterations) one row per pass streamed ~30 GB/s on a Zen 4 where 4096-wide rows reach ~45.
+// `linear_block` takes two rows per pass from 4 activation rows up only: below, one row per pass (a single stream per
+// thread) streamed faster from memory — the whole decode step 0.92-0.95x, verify(3) 0.96-0.99x, 4 and 8 rows
+// 1.05x and 1.12x slower (SmolLM2, Zen 4, old and new kernels alternated in one process, session 12).
 // Each dot product accumulates in the same order whatever NW and RG (batch invariance).
 template <int RG, int P, int NW>
 inline void row_dots_dpbf16(const bf16_bits* row, int64_t row_stride, const bf16_bits* x, int64_t ldx, int64_t len,
@@ -394,7 +397,7 @@ void linear_block(const X* x, int64_t ldx, const W* w, int64_t K, int64_t n_begi
   };
   int64_t n = n_begin;
 #if MTP_AVX512_BF16
-  if constexpr (std::is_same_v<X, bf16_bits>) {  // two weight rows per pass (see row_dots_dpbf16)
+  if constexpr (std::is_same_v<X, bf16_bits> && R >= 4) {  // two weight rows per pass (see row_dots_dpbf16)
     for (; n + 2 <= n_end; n += 2) {
       const W* row = w + n * row_len;
       float sums[2][P][R];
