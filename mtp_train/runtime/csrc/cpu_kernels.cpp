@@ -450,8 +450,8 @@ void linear_rows(const X* x, int64_t ldx, const W* w, int64_t K, int64_t N, floa
     // this a task's first rows would wait on one demand miss after another while the prefetcher ramps up (a decode
     // step starts ~120 such streams, four per layer). On a Zen 4, the AVX-512 build (alternated rounds, one process):
     // SmolLM2's layer matrices and lm_head streamed in bf16 at 1-8 rows 2-4% faster, its whole decode step 1.6%,
-    // verify(3) unchanged; the AVX2 build unchanged. (Prefetching the next linear's first rows from the end of each
-    // task as well gained nothing: 1.017 / 1.010 for decode / verify(3).)
+    // verify(3) unchanged — within the noise of two identical builds; the AVX2 build unchanged (as in session 10).
+    // Prefetching the next linear's first rows from the end of each task as well gained nothing (1.017 / 1.010).
 #if MTP_AVX2
     const int64_t row_len = K * P;
     const char* first = reinterpret_cast<const char*>(w + begin * row_len);
