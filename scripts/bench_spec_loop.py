@@ -12,8 +12,9 @@ turns, greedy, batch 1, methods alternated prompt by prompt over `--rounds` roun
   decode step), and a handful of trivial torch ops likewise: the price of the emptied caches.
 
 Ends with a `RESULT` line: `<method>_ms_per_forward`, `<method>_overhead_ms` (everything but the target's forwards, per
-forward), `<method>_tok_s`, τ per speculative method, `head_step_cold_ms`, `head_step_warm_ms`, `tiny_ops_cold_ms`,
-`tiny_ops_warm_ms`. `--quick`: 2 prompts, 48 tokens, 2 rounds.
+forward), `<method>_tok_s`, per speculative method `<method>_tokens_per_forward` (τ, the prefill's forward counted),
+`head_step_cold_ms`, `head_step_warm_ms`, `tiny_ops_cold_ms`, `tiny_ops_warm_ms`. `--quick`: 2 prompts, 48 tokens,
+2 rounds.
 """
 
 from __future__ import annotations
@@ -161,14 +162,14 @@ def main() -> None:
         fields += [f"{name}_ms_per_forward={per['wall']:.3f}", f"{name}_overhead_ms={per['wall'] - per['target']:.3f}",
                    f"{name}_tok_s={total['tokens'] / total['wall']:.2f}"]
         if name != "plain":
-            fields.append(f"{name}_tau={tokens_per_forward:.3f}")
+            fields.append(f"{name}_tokens_per_forward={tokens_per_forward:.3f}")
 
     # ---- a head step and a few trivial ops, warm and right after a target decode step --------------------------
-    allocator = PageAllocator(64, 16)
+    context = prompts[0]
+    allocator = PageAllocator(len(context) // 16 + 4, 16)
     target_cache, head_cache = target.new_kv_cache(allocator), head.new_kv_cache(allocator)
     pages: list[int] = []
     target_view, head_view = Sequence(0, pages=pages), Sequence(0, pages=pages)
-    context = prompts[0]
     with torch.inference_mode():
         out = target(torch.tensor(context), BatchInfo.for_sequences([target_view], [len(context)], allocator),
                      target_cache, return_hidden=True)
