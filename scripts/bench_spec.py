@@ -287,13 +287,27 @@ def _spec(outcome):
     return len(results[0].token_ids), stats
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_arguments(parser: argparse.ArgumentParser, new_tokens: int) -> None:
+    """The options the speculative benchmarks share: target, head, MT-bench prompts, how many, new tokens."""
     parser.add_argument("--target", default=None, help="model dir (default: fetched SmolLM2)")
     parser.add_argument("--head", default="runs/smollm2-135m-mtp/head", help="trained head (else an untrained one)")
     parser.add_argument("--prompts", type=Path, default=Path("../shared/data/eval/mt_bench.jsonl"))
     parser.add_argument("--num-prompts", type=int, default=6)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
+
+
+def mt_bench_chat_prompts(tokenizer, path: Path, limit: int) -> list[list[int]]:
+    """The first `limit` MT-bench questions' first turns as chat-templated prompt ids."""
+    from mtp_train.runtime.chat import encode_chat
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [encode_chat(tokenizer, [{"role": "user", "content": row["turns"][0]}])
+            for row in rows if row.get("turns")][:limit]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser, new_tokens=128)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--short-tokens", type=int, default=200, help="short profile prompt, tokens")
     parser.add_argument("--long-tokens", type=int, default=4000, help="long profile prompt, tokens")
@@ -321,7 +335,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from mtp_train.assets import ensure_default_model
-    from mtp_train.runtime.chat import encode_chat, stop_token_ids
+    from mtp_train.runtime.chat import stop_token_ids
     from mtp_train.runtime.generate import generate
     from mtp_train.runtime.hardware import machine_fields
     from mtp_train.runtime.loader import load_tokenizer
@@ -356,8 +370,7 @@ def main() -> None:
     print_profiles(list(profiles.values()))
 
     # 2. speculative speed, MT-bench prompts
-    rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": r["turns"][0]}]) for r in rows[: args.num_prompts]]
+    prompts = mt_bench_chat_prompts(tokenizer, args.prompts, args.num_prompts)
     stops = stop_token_ids(tokenizer, auto.target.config)
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=precision.decode_torch_dtype).eval()
 

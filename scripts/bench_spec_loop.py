@@ -20,17 +20,11 @@ forward), `<method>_tok_s`, per speculative method `<method>_tokens_per_forward`
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-
-
-def load_prompts(path: Path, limit: int) -> list[str]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [row["turns"][0] for row in rows if row.get("turns")][:limit]
 
 
 class StepTimers:
@@ -74,12 +68,10 @@ def cold_and_warm(fn, cool, repeats: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    from bench_spec import add_run_arguments, load_head, mt_bench_chat_prompts
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=None, help="model dir (default: fetched SmolLM2)")
-    parser.add_argument("--head", default="runs/smollm2-135m-mtp/head", help="trained head (else an untrained one)")
-    parser.add_argument("--prompts", type=Path, default=Path("../shared/data/eval/mt_bench.jsonl"))
-    parser.add_argument("--num-prompts", type=int, default=6)
-    parser.add_argument("--new-tokens", type=int, default=96)
+    add_run_arguments(parser, new_tokens=96)
     parser.add_argument("--k", type=int, default=2, help="speculative tokens per step (both methods)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
@@ -90,11 +82,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from bench_spec import load_head
-
     from mtp_train.assets import ensure_default_model
     from mtp_train.runtime.attention import BatchInfo
-    from mtp_train.runtime.chat import encode_chat, stop_token_ids
+    from mtp_train.runtime.chat import stop_token_ids
     from mtp_train.runtime.generate import generate
     from mtp_train.runtime.hardware import machine_fields
     from mtp_train.runtime.kv_cache import PageAllocator, Sequence
@@ -113,8 +103,7 @@ def main() -> None:
           f"{'' if Path(args.head).is_dir() else ' (untrained head: ' + args.head + ' not found)'}")
     tokenizer = load_tokenizer(target_dir)
     stops = stop_token_ids(tokenizer, target.config)
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": text}])
-               for text in load_prompts(args.prompts, args.num_prompts)]
+    prompts = mt_bench_chat_prompts(tokenizer, args.prompts, args.num_prompts)
     if not prompts:
         raise SystemExit(f"no prompts in {args.prompts}")
 
