@@ -446,18 +446,6 @@ void linear_rows(const X* x, int64_t ldx, const W* w, int64_t K, int64_t N, floa
   // ~64 KB of weights per task: enough work to amortize scheduling, enough tasks to balance the threads.
   const int64_t grain = std::max<int64_t>(1, 64 * 1024 / (int64_t(sizeof(W)) * K * P));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    // The stream's first kPrefetchBytes, requested at once: the loop's prefetches run that far ahead of it, so without
-    // this a task's first rows would wait on one demand miss after another while the prefetcher ramps up (a decode
-    // step starts ~120 such streams, four per layer). On a Zen 4, the AVX-512 build (alternated rounds, one process):
-    // SmolLM2's layer matrices and lm_head streamed in bf16 at 1-8 rows 2-4% faster, its whole decode step 1.6%,
-    // verify(3) unchanged — within the noise of two identical builds; the AVX2 build unchanged (as in session 10).
-    // Prefetching the next linear's first rows from the end of each task as well gained nothing (1.017 / 1.010).
-#if MTP_AVX2
-    const int64_t row_len = K * P;
-    const char* first = reinterpret_cast<const char*>(w + begin * row_len);
-    const int64_t first_bytes = std::min<int64_t>(kPrefetchBytes, (end - begin) * row_len * int64_t(sizeof(W)));
-    for (int64_t offset = 0; offset < first_bytes; offset += 64) _mm_prefetch(first + offset, MTP_PREFETCH_HINT);
-#endif
     linear_block<W, X, R, SiluMul>(x, ldx, w, K, begin, end, y, ldy, bias, scale, residual, ldr);
   });
 }
