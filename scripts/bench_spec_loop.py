@@ -11,9 +11,14 @@ turns, greedy, batch 1, methods alternated prompt by prompt over `--rounds` roun
 - a head step (its forward, output projection and argmax) warm (right after another) and cold (right after a target
   decode step), and a handful of trivial torch ops likewise: the price of the emptied caches.
 
+The head runs twice: `mtp` through its one-call forward (`DraftHead.forward_with_logits`, the CPU decode path's
+`mtp_head_forward`: what the eval runs), `mtp_per_op` with that switched off (the ~10 kernel calls of a head forward
+made one by one from Python, as before it existed); the head step is timed both ways too.
+
 Ends with a `RESULT` line: `<method>_ms_per_forward`, `<method>_overhead_ms` (everything but the target's forwards, per
 forward), `<method>_tok_s`, per speculative method `<method>_tokens_per_forward` (τ, the prefill's forward counted),
-`head_step_cold_ms`, `head_step_warm_ms`, `tiny_ops_cold_ms`, `tiny_ops_warm_ms`. `--quick`: 2 prompts, 48 tokens,
+`mtp_vs_per_op` (tokens/s ratio), `head_step_cold_ms`, `head_step_warm_ms`, `head_step_per_op_cold_ms`,
+`head_step_per_op_warm_ms`, `tiny_ops_cold_ms`, `tiny_ops_warm_ms`. `--quick`: 2 prompts, 48 tokens,
 2 rounds.
 """
 
@@ -67,6 +72,17 @@ def cold_and_warm(fn, cool, repeats: int) -> tuple[float, float]:
     return statistics.median(cold), statistics.median(warm)
 
 
+def without_fused_head(head, run):
+    """`run()` with the head's one-call forward (`DraftHead.set_decode_forward`) switched off: its forwards then make
+    the ~10 kernel calls one by one, as before that path existed."""
+    fused = head._borrowed.decode_forward
+    head.set_decode_forward(None)
+    try:
+        return run()
+    finally:
+        head.set_decode_forward(fused)
+
+
 def main() -> None:
     from bench_spec import add_run_arguments, load_head, mt_bench_chat_prompts
 
@@ -115,6 +131,8 @@ def main() -> None:
     methods = {
         "plain": lambda ids: generate(target, [ids], args.new_tokens, stop_token_ids=stops),
         "mtp": lambda ids: speculative_generate(target, head, [ids], args.new_tokens, args.k, stop_token_ids=stops),
+        "mtp_per_op": lambda ids: without_fused_head(
+            head, lambda: speculative_generate(target, head, [ids], args.new_tokens, args.k, stop_token_ids=stops)),
         "lookup": lambda ids: speculative_generate(target, PromptLookup(), [ids], args.new_tokens, args.k,
                                                    stop_token_ids=stops),
     }
@@ -153,6 +171,9 @@ def main() -> None:
         if name != "plain":
             fields.append(f"{name}_tokens_per_forward={tokens_per_forward:.3f}")
 
+    per_op = totals["mtp_per_op"]
+    fields.append(f"mtp_vs_per_op={(totals['mtp']['tokens'] / totals['mtp']['wall']) / (per_op['tokens'] / per_op['wall']):.3f}")
+
     # ---- a head step and a few trivial ops, warm and right after a target decode step --------------------------
     context = prompts[0]
     allocator = PageAllocator(len(context) // 16 + 4, 16)
@@ -171,9 +192,11 @@ def main() -> None:
             target(torch.tensor([context[-1]]), BatchInfo.for_sequences([target_view], [1], allocator, advance=False),
                    target_cache)
 
+        first_row = torch.tensor([0])
+
         def head_step() -> None:
             batch = BatchInfo.for_sequences([head_view], [1], allocator, advance=False)
-            head.logits(head(torch.tensor([context[-1]]), last_hidden, batch, head_cache)).argmax(-1).tolist()
+            head.forward_with_logits(torch.tensor([context[-1]]), last_hidden, batch, head_cache, first_row)[2].tolist()
 
         def tiny_ops() -> None:  # a BatchInfo and five small ops: what the loop runs between forwards
             BatchInfo.for_sequences([head_view], [1], allocator, advance=False)
@@ -182,11 +205,13 @@ def main() -> None:
 
         repeats = 10 if args.quick else 40
         head_cold, head_warm = cold_and_warm(head_step, target_step, repeats)
+        per_op_cold, per_op_warm = without_fused_head(head, lambda: cold_and_warm(head_step, target_step, repeats))
         tiny_cold, tiny_warm = cold_and_warm(tiny_ops, target_step, repeats)
     print(f"\nhead step (forward, projection, argmax): warm {head_warm * 1e3:.3f} ms, right after a target decode step "
-          f"{head_cold * 1e3:.3f} ms; five small ops + a BatchInfo: warm {tiny_warm * 1e3:.3f} ms, cold "
-          f"{tiny_cold * 1e3:.3f} ms")
+          f"{head_cold * 1e3:.3f} ms (per-op: warm {per_op_warm * 1e3:.3f}, cold {per_op_cold * 1e3:.3f}); five "
+          f"small ops + a BatchInfo: warm {tiny_warm * 1e3:.3f} ms, cold {tiny_cold * 1e3:.3f} ms")
     fields += [f"head_step_cold_ms={head_cold * 1e3:.3f}", f"head_step_warm_ms={head_warm * 1e3:.3f}",
+               f"head_step_per_op_cold_ms={per_op_cold * 1e3:.3f}", f"head_step_per_op_warm_ms={per_op_warm * 1e3:.3f}",
                f"tiny_ops_cold_ms={tiny_cold * 1e3:.3f}", f"tiny_ops_warm_ms={tiny_warm * 1e3:.3f}"]
     print(f"RESULT {' '.join(fields)} k={args.k} head_weights={head_weights} threads={torch.get_num_threads()} "
           f"{machine_fields(precision.dtype)}")

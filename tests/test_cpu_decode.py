@@ -667,3 +667,95 @@ def test_the_mtp_input_call_computes_what_the_separate_ops_compute(ops, tiny_dir
     assert served == [3, 1, 1]
     for a, b in zip(with_fused, separate):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("weights,draft_vocab", [(torch.float32, None), (torch.bfloat16, None), (torch.int8, 40)],
+                         ids=["fp32", "bf16", "int8-draft-vocab"])
+def test_the_one_call_head_forward_computes_what_the_per_op_path_computes(ops, tiny_dir, weights, draft_vocab):
+    """An MTP head's cached forward and logits in one kernel call (`DecodeHeadForward`: input rows, layers, final norm,
+    the projection of the rows asked for, their argmax): a two-sequence catch-up and a draft step equal, bit for bit,
+    `forward` then `logits`; more than `max_rows` rows, and a draft vocabulary changed after it was built, take the
+    per-op path."""
+    from mtp_train.runtime.cpu_decode import DecodeHeadForward
+
+    target = _kernel_model(tiny_dir, weights)
+    torch.manual_seed(0)
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="random",
+                                                               draft_vocab_size=draft_vocab))
+    if draft_vocab is not None:
+        head.set_draft_vocab(torch.arange(0, 2 * draft_vocab, 2))
+    for norm in (head.enorm, head.hnorm, head.norm):
+        norm.weight.data.uniform_(0.5, 1.5)
+    apply_decode_path(head, weights, KERNEL_MAX_ROWS)
+    fused = head._borrowed.decode_forward
+    assert isinstance(fused, DecodeHeadForward)
+    served = []
+    original = ops.mtp_head_forward
+    fused.ops = type("Ops", (), {"mtp_head_forward": staticmethod(lambda *a: served.append(a[0].numel()) or
+                                                                  original(*a))})
+    gen = torch.Generator().manual_seed(4)
+    d = target.config.hidden_size
+
+    def run():
+        allocator = PageAllocator(32, page_size=4)
+        cache, seqs = head.new_kv_cache(allocator), [Sequence(0), Sequence(1)]
+        outs = []
+        # a catch-up after the prefills (above max_rows: per-op), a catch-up of 3 + 2 rows, a draft step
+        for rows in ([KERNEL_MAX_ROWS + 2, 5], [3, 2], [1, 1]):
+            total = sum(rows)
+            ids = torch.randint(0, 96, (total,), generator=gen.manual_seed(total))
+            hidden = torch.randn(total, d, generator=gen.manual_seed(total))
+            batch = BatchInfo.for_sequences(seqs, rows, allocator)
+            last_rows = batch.last_token_indices()
+            with torch.inference_mode():
+                outs.append(head.forward_with_logits(ids, hidden, batch, cache, last_rows))
+        return outs
+
+    with_fused = run()
+    head.set_decode_forward(None)
+    per_op = run()
+    assert served == [5, 2]
+    for fused_out, per_op_out in zip(with_fused, per_op):
+        for a, b in zip(fused_out, per_op_out):
+            assert torch.equal(a, b)
+    logits = with_fused[1][1]
+    assert logits.shape == (2, draft_vocab or target.config.vocab_size)
+    assert torch.equal(with_fused[1][2], logits.argmax(-1))
+
+    head.set_decode_forward(fused)
+    if draft_vocab is not None:  # a new draft vocabulary: the fused path's projection copy is stale, it steps aside
+        head.set_draft_vocab(torch.arange(1, 2 * draft_vocab, 2))
+        served.clear()
+        run()
+        assert served == []
+
+
+@pytest.mark.parametrize("weights,draft_vocab", [(torch.float32, None), (torch.int8, 64)], ids=["fp32", "int8-vocab"])
+def test_the_greedy_chain_in_one_call_drafts_what_the_step_by_step_chain_drafts(ops, tiny_dir, weights, draft_vocab):
+    """The MTP chain's greedy catch-up + draft steps as one kernel call (`mtp_head_chain`, via
+    `DraftHead.greedy_chain`): speculative output stays plain greedy's, and every draft is the step-by-step chain's
+    (the acceptance counters and head forwards agree with the per-op path's); batches whose sequences draft different
+    numbers of tokens (the last steps) and a prefill's catch-up (above max_rows) take the step-by-step path."""
+    from mtp_train.runtime.precision import Precision, apply_head_decode_weights
+
+    target = _kernel_model(tiny_dir, torch.bfloat16)
+    torch.manual_seed(0)
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="last_layer",
+                                                               draft_vocab_size=draft_vocab))
+    if draft_vocab is not None:
+        head.set_draft_vocab(torch.arange(draft_vocab))
+    precision = Precision("float32", "bfloat16", KERNEL_MAX_ROWS, "test")
+    apply_head_decode_weights(head, precision, "int8" if weights == torch.int8 else "target")
+    fused = head._borrowed.decode_forward
+    chains = []
+    fused.ops = type("Ops", (), {
+        "mtp_head_forward": staticmethod(ops.mtp_head_forward),
+        "mtp_head_chain": staticmethod(lambda *a: chains.append(a[-2]) or ops.mtp_head_chain(*a))})
+    prompts = make_prompts(3)
+    _, chained = run_and_compare(target, head, prompts, max_new_tokens=14, k=3)
+    head.set_decode_forward(None)
+    _, per_op = run_and_compare(target, head, prompts, max_new_tokens=14, k=3)
+    assert chains and set(chains) <= {1, 2, 3} and 3 in chains
+    assert chained.accepted_tokens > 0
+    for key in ("accepted_per_position", "drafted_per_position", "draft_forwards", "target_forwards"):
+        assert getattr(chained, key) == getattr(per_op, key), key

@@ -47,6 +47,7 @@ class _Borrowed:
     decode_projection: object | None = None  # the runtime's decode-dtype copy of draft_weight (few-row logits)
     decode_projection_key: tuple = ()
     decode_input: object | None = None  # the runtime's one-call input projection of an MTP head (few-row, cached)
+    decode_forward: object | None = None  # the runtime's one-call forward + logits of an MTP head (few-row, cached)
 
 
 class DraftHead(nn.Module):
@@ -278,6 +279,12 @@ class DraftHead(nn.Module):
         if self.is_mtp:
             self._borrowed.decode_input = decode_input
 
+    def set_decode_forward(self, decode_forward) -> None:
+        """Serve `forward_with_logits` calls through `decode_forward(head, token_ids, hidden, batch, kv_cache,
+        logits_rows)` (`runtime.cpu_decode.DecodeHeadForward`: the whole cached forward and the logits in one kernel
+        call), which returns None for the forwards it does not take. None: no fused path."""
+        self._borrowed.decode_forward = decode_forward
+
     # ---- forward ------------------------------------------------------------------------------------------------
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,6 +318,51 @@ class DraftHead(nn.Module):
                 x = self.fc(torch.cat((embeds, hidden), dim=-1))  # [T, d]
         x, _ = run_decoder_layers(self.layers, x, self._borrowed.rotary, batch, kv_cache, self.backend)
         return self.norm(x) if self.norm is not None else x
+
+    def forward_with_logits(
+        self,
+        token_ids: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, d]
+        batch: BatchInfo,
+        kv_cache: KVCache,
+        logits_rows: torch.Tensor,  # [R] int64: the rows whose logits are wanted
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A cached forward (a draft step or a catch-up) and the logits of some of its rows: (the output [T, d] as
+        `forward` returns it, `logits(output[logits_rows])` [R, N] fp32, their argmax [R]). One kernel call on the
+        CPU decode path (`set_decode_forward`), bit-identical to the two calls it replaces."""
+        fused = self._borrowed.decode_forward
+        if fused is not None:
+            if torch.is_inference_mode_enabled():
+                result = fused(self, token_ids, hidden, batch, kv_cache, logits_rows)
+            else:
+                with torch.inference_mode():
+                    result = fused(self, token_ids, hidden, batch, kv_cache, logits_rows)
+            if result is not None:
+                return result
+        out = self(token_ids, hidden, batch, kv_cache)
+        logits = self.logits(out[logits_rows])
+        return out, logits, logits.argmax(-1)
+
+    def greedy_chain(
+        self,
+        token_ids: torch.Tensor,  # [T]: a catch-up's rows
+        hidden: torch.Tensor,  # [T, d]
+        batch: BatchInfo,  # its page table covering num_drafts - 1 more positions (`reserve_ahead`)
+        kv_cache: KVCache,
+        num_drafts: int,
+        target_ids: torch.Tensor | None = None,  # [N] int64: draft id -> target id (`draft_ids`), None when full
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A catch-up forward and the greedy draft chain after it in one kernel call on the CPU decode path
+        (`set_decode_forward`): (each sequence's output at its last row [B, d], that row's logits [B, N], the drafts
+        [B, num_drafts] as target ids), the step-by-step chain's bit for bit. None where the head has no such path
+        or it does not serve this forward (the caller then steps)."""
+        fused = self._borrowed.decode_forward
+        if fused is None:
+            return None
+        if torch.is_inference_mode_enabled():
+            return fused.chain(self, token_ids, hidden, batch, kv_cache, num_drafts, target_ids)
+        with torch.inference_mode():
+            return fused.chain(self, token_ids, hidden, batch, kv_cache, num_drafts, target_ids)
 
     def readout(self, out: torch.Tensor) -> torch.Tensor:
         """The states the output projection reads from the head's output `out` [n, d]: `out` itself here (the mtp

@@ -78,9 +78,13 @@ class BatchInfo:
         allocator: PageAllocator,
         device: torch.device | str = "cpu",
         advance: bool = True,
+        reserve_ahead: int = 0,
     ) -> "BatchInfo":
         """Append `new_token_counts[b]` tokens to each sequence: reserves pages, and (if `advance`) counts the new
-        tokens as cached. Use `Sequence.truncate` afterwards to drop rejected tokens."""
+        tokens as cached. Use `Sequence.truncate` afterwards to drop rejected tokens. `reserve_ahead`: also reserve
+        the pages of that many positions after the new tokens; the page table (`kv_page_*`, `kv_last_page_len`) then
+        describes end + reserve_ahead positions, `kv_lens` the attended ones — for forwards that run further steps in
+        the same kernel call (a head's greedy draft chain, `mtp_head_chain`); not a batch for FlashInfer's plan."""
         # Built in Python lists, one tensor per field: a decode step calls this once per forward (the target's, and
         # a draft head's), and per-sequence tensor ops cost more than the few numbers they compute (~0.2 ms).
         page_size = allocator.page_size
@@ -88,15 +92,15 @@ class BatchInfo:
         for seq, count in zip(sequences, new_token_counts, strict=True):
             start = seq.num_cached
             end = start + count
-            seq.reserve(end, allocator)
+            seq.reserve(end + reserve_ahead, allocator)
             pages = seq.pages
             positions.extend(range(start, end))
             slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
-            used_pages = -(-end // page_size)
+            used_pages = -(-(end + reserve_ahead) // page_size)
             page_indices.extend(pages[:used_pages])
             qo_indptr.append(qo_indptr[-1] + count)
             page_indptr.append(page_indptr[-1] + used_pages)
-            last_page_len.append(end - (used_pages - 1) * page_size)
+            last_page_len.append(end + reserve_ahead - (used_pages - 1) * page_size)
             kv_lens.append(end)
             if advance:
                 seq.num_cached = end

@@ -393,6 +393,79 @@ class DecodeStack:
         return outputs[0], dict(zip(keep, outputs[1:]))
 
 
+class DecodeHeadForward:
+    """An MTP head's whole few-row cached forward and its logits as one kernel call (`mtp_head_forward`): the input
+    rows (`DecodeMTPInput`), the layers (`DecodeStack`), the final norm and the output projection's decode copy of the
+    rows asked for, with their argmax, bit for bit what those paths compute call by call. A head's draft step or
+    catch-up right after a target forward otherwise spends about as long in the Python around its ~10 kernel calls as
+    in the kernels (see docs/tuning.md). Set by `apply_decode_path` on an MTP head whose pieces all run on the kernels
+    (`DraftHead.set_decode_forward`)."""
+
+    def __init__(self, head, stack: DecodeStack, projection: "SmallRowLinear", projection_key: tuple):
+        small = head.eh_proj.small
+        self.ops, self.max_rows = stack.ops, min(stack.max_rows, small.max_rows, projection.max_rows)
+        self.stack, self.projection_key = stack, projection_key
+        self.params: list[torch.Tensor | None] = [
+            head.embed_weight, _float(head.enorm.weight), _float(head.hnorm.weight), small.weight, small.bias,
+            small.scale, _float(head.norm.weight), projection.weight, projection.scale, *stack.params]
+        self.eps = [head.enorm.eps, head.hnorm.eps, head.norm.eps, *stack.eps]
+
+    @staticmethod
+    def build(head, ops) -> "DecodeHeadForward | None":
+        """The fused forward of `head`, or None when a piece of it does not run on the kernels (not an MTP head,
+        layers without a `DecodeStack`, weights not fp32, the output projection or input projection not on the
+        kernels)."""
+        stack = getattr(head.layers, "decode_stack", None)
+        projection = head._borrowed.decode_projection
+        small = getattr(getattr(head, "eh_proj", None), "small", None)
+        if (ops is None or not head.is_mtp or stack is None or projection is None or projection.ops is None
+                or small is None or small.ops is None or projection.bias is not None
+                or head.embed_weight.dtype != torch.float32 or not head.embed_weight.is_contiguous()
+                or head.enorm.weight.dtype != torch.float32):
+            return None
+        return DecodeHeadForward(head, stack, projection, head._borrowed.decode_projection_key)
+
+    def serves(self, head, hidden: torch.Tensor, batch: BatchInfo) -> bool:
+        """Whether the one-call path takes this forward: fp32 states of at most `max_rows` rows, few per sequence, no
+        tree mask, and the lm_head and draft vocabulary unchanged since it was built."""
+        return (hidden.dtype == torch.float32 and hidden.dim() == 2 and hidden.shape[0] <= self.max_rows
+                and batch.tree_masks is None and DecoderLayerKernel.few_per_sequence(batch)
+                and head._draft_weight_key() == self.projection_key)
+
+    def _arguments(self, head, token_ids: torch.Tensor, hidden: torch.Tensor, batch: BatchInfo, kv_cache,
+                   positions_ahead: int = 0) -> list:
+        stack = self.stack
+        cos, sin = head._borrowed.rotary.cpu_tables(torch.float32, max(batch.kv_lens) + positions_ahead)
+        return [token_ids, hidden.contiguous(), self.params, self.eps, [k for k, _ in kv_cache.layers],
+                [v for _, v in kv_cache.layers], cos, sin, batch.slot_mapping, batch.positions, batch.qo_indptr,
+                batch.kv_page_indptr, batch.kv_page_indices, stack.num_heads, stack.num_kv_heads, stack.scale,
+                stack.windows]
+
+    def __call__(self, head, token_ids: torch.Tensor, hidden: torch.Tensor, batch: BatchInfo, kv_cache,
+                 logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """[T] token ids, [T, d] fp32 states -> (the head's output [T, d], logits [R, N] of the rows `logits_rows`
+        [R], their argmax [R]); None where this does not serve the forward (`serves`)."""
+        if not self.serves(head, hidden, batch):
+            return None
+        out, logits, argmax = self.ops.mtp_head_forward(*self._arguments(head, token_ids, hidden, batch, kv_cache),
+                                                        logits_rows)
+        return out, logits, argmax
+
+    def chain(self, head, token_ids: torch.Tensor, hidden: torch.Tensor, batch: BatchInfo, kv_cache,
+              num_drafts: int, target_ids: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The greedy draft chain in one call (`mtp_head_chain`): this forward (a catch-up), then `num_drafts - 1`
+        draft steps at the positions after each sequence's last row, whose pages `batch` must list
+        (`BatchInfo.for_sequences(..., reserve_ahead=num_drafts - 1)`). Returns (each sequence's output at its last
+        row [B, d], that row's logits [B, N], the drafts [B, num_drafts] as target ids, through `target_ids` [N] with a
+        reduced draft vocabulary); None where this does not serve the forward."""
+        if not self.serves(head, hidden, batch):
+            return None
+        newest, logits, drafts = self.ops.mtp_head_chain(
+            *self._arguments(head, token_ids, hidden, batch, kv_cache, num_drafts - 1), num_drafts, target_ids)
+        return newest, logits, drafts
+
+
 def tree_key_tables(batch: BatchInfo) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A tree batch's mask as the paged kernel takes it: per sequence the first position of its tree region
     (`tree_start` [B] int64), and per token the cache index of the key at each position from there to its own
@@ -462,4 +535,6 @@ def apply_decode_path(model: nn.Module, dtype: torch.dtype, max_rows: int) -> nn
                 module.many = ManyRowLinear([module], dtype)
     if ops is not None and hasattr(model, "set_decode_input"):  # an MTP head's input projection in one call
         model.set_decode_input(DecodeMTPInput(ops, max_rows))
+    if hasattr(model, "set_decode_forward"):  # an MTP head's whole draft step in one call
+        model.set_decode_forward(DecodeHeadForward.build(model, ops))
     return model

@@ -1195,23 +1195,25 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
 // window (0 = none). keep: layers (0-based) whose outputs are returned after the last one's.
 constexpr int64_t kStackParams = 16;
 
-std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c10::optional<at::Tensor>>& params,
-                                      at::ArrayRef<double> eps, at::TensorList k_caches, at::TensorList v_caches,
-                                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
-                                      const at::Tensor& positions, const at::Tensor& qo_indptr,
-                                      const at::Tensor& page_indptr, const at::Tensor& page_indices, int64_t num_heads,
-                                      int64_t num_kv_heads, double scale, at::IntArrayRef windows,
-                                      const c10::optional<at::Tensor>& tree_start,
-                                      const c10::optional<at::Tensor>& tree_keys, at::IntArrayRef keep) {
+// The stack's loop over layers, its parameters read from `params` from index `first` on (kStackParams per layer) and
+// its epsilons from `eps` (3 per layer): `decode_layers`, and the layers of `mtp_head_forward`.
+std::vector<at::Tensor> run_layers(const at::Tensor& x_in, const c10::List<c10::optional<at::Tensor>>& params,
+                                   int64_t first, at::ArrayRef<double> eps, at::TensorList k_caches,
+                                   at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
+                                   const at::Tensor& slot_mapping, const at::Tensor& positions,
+                                   const at::Tensor& qo_indptr, const at::Tensor& page_indptr,
+                                   const at::Tensor& page_indices, int64_t num_heads, int64_t num_kv_heads,
+                                   double scale, at::IntArrayRef windows, const c10::optional<at::Tensor>& tree_start,
+                                   const c10::optional<at::Tensor>& tree_keys, at::IntArrayRef keep) {
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kStackParams, "params: expected ",
-              kStackParams, " per layer for ", num_layers, " layers, got ", params.size());
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == first + num_layers * kStackParams, "params: expected ",
+              kStackParams, " per layer for ", num_layers, " layers, got ", static_cast<int64_t>(params.size()) - first);
   TORCH_CHECK(static_cast<int64_t>(eps.size()) == 3 * num_layers &&
                   static_cast<int64_t>(windows.size()) == num_layers &&
                   static_cast<int64_t>(v_caches.size()) == num_layers,
               "eps (3 per layer), windows and v_caches must cover every layer");
   auto param = [&](int64_t layer, int64_t slot) -> c10::optional<at::Tensor> {
-    return params.get(layer * kStackParams + slot);
+    return params.get(first + layer * kStackParams + slot);
   };
   std::vector<at::Tensor> outputs(1);
   at::Tensor x = x_in.contiguous();
@@ -1239,6 +1241,135 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c1
   return outputs;
 }
 
+std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const c10::List<c10::optional<at::Tensor>>& params,
+                                      at::ArrayRef<double> eps, at::TensorList k_caches, at::TensorList v_caches,
+                                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+                                      const at::Tensor& positions, const at::Tensor& qo_indptr,
+                                      const at::Tensor& page_indptr, const at::Tensor& page_indices, int64_t num_heads,
+                                      int64_t num_kv_heads, double scale, at::IntArrayRef windows,
+                                      const c10::optional<at::Tensor>& tree_start,
+                                      const c10::optional<at::Tensor>& tree_keys, at::IntArrayRef keep) {
+  return run_layers(x_in, params, 0, eps, k_caches, v_caches, cos, sin, slot_mapping, positions, qo_indptr,
+                    page_indptr, page_indices, num_heads, num_kv_heads, scale, windows, tree_start, tree_keys, keep);
+}
+
+// An MTP head's few-row cached forward and its logits in one call: the input rows (`mtp_input`), the head's layers
+// (`decode_layers`), its final RMSNorm, and the output projection of the rows `logits_rows` (a draft step: its one
+// row; a catch-up: each sequence's last) with their argmax — what the per-op path computes with ~10 op dispatches
+// and the Python between them, bit for bit. A draft step is short (~0.5 ms warm on a Zen 4) and follows a target
+// forward that has pushed the interpreter's data out of the caches, where that Python costs as much as the kernels.
+// params: kHeadParams tensors — embedding [V, d] fp32, enorm and hnorm weights, the input projection's weight, bias
+// and int8 scales, the final norm's weight, the output projection's weight [N, d] and int8 scales — then the layers'
+// (as decode_layers). eps: enorm, hnorm, final norm, then the layers'. Returns [output [T, d] (after the final norm),
+// logits [R, N] fp32, argmax [R] int64].
+constexpr int64_t kHeadParams = 9;
+
+std::vector<at::Tensor> mtp_head_forward(const at::Tensor& token_ids, const at::Tensor& hidden,
+                                         const c10::List<c10::optional<at::Tensor>>& params, at::ArrayRef<double> eps,
+                                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos,
+                                         const at::Tensor& sin, const at::Tensor& slot_mapping,
+                                         const at::Tensor& positions, const at::Tensor& qo_indptr,
+                                         const at::Tensor& page_indptr, const at::Tensor& page_indices,
+                                         int64_t num_heads, int64_t num_kv_heads, double scale,
+                                         at::IntArrayRef windows, const at::Tensor& logits_rows) {
+  TORCH_CHECK(static_cast<int64_t>(params.size()) >= kHeadParams && eps.size() >= 3,
+              "params: the head's ", kHeadParams, " tensors first; eps: its 3 epsilons first");
+  auto required = [&](int64_t slot, const char* name) -> at::Tensor {
+    const c10::optional<at::Tensor> value = params.get(slot);
+    TORCH_CHECK(value.has_value() && value->defined(), "mtp_head_forward: ", name, " is required");
+    return *value;
+  };
+  TORCH_CHECK(logits_rows.scalar_type() == at::kLong && logits_rows.dim() == 1, "logits_rows must be int64 [R]");
+  const at::Tensor x = mtp_input(token_ids, hidden, required(0, "the embedding"), required(1, "enorm"), eps[0],
+                                 required(2, "hnorm"), eps[1], required(3, "the input projection"), params.get(4),
+                                 params.get(5));
+  const std::vector<at::Tensor> layers =
+      run_layers(x, params, kHeadParams, eps.slice(3), k_caches, v_caches, cos, sin, slot_mapping, positions,
+                 qo_indptr, page_indptr, page_indices, num_heads, num_kv_heads, scale, windows, c10::nullopt,
+                 c10::nullopt, {});
+  const at::Tensor out = rms_norm(layers[0], required(6, "the final norm"), eps[2]);
+  const at::Tensor logits =
+      linear(out.index_select(0, logits_rows), required(7, "the output projection"), c10::nullopt, c10::nullopt,
+             params.get(8));
+  return {out, logits, logits.argmax(-1)};
+}
+
+// An MTP head's greedy draft chain in one call: the catch-up forward (`mtp_head_forward` over each sequence's rows,
+// the logits of its last row), then num_drafts - 1 draft steps, each feeding every sequence its
+// last output and its last draft at the next position (the draft: the argmax of the step's logits, mapped to a target
+// id through `target_ids` [N] int64 when the head has a reduced draft vocabulary). Every step is the call the
+// step-by-step chain makes, so the drafts are those, bit for bit; the draft steps' K/V are written at the slots of
+// positions last + 1 .. last + num_drafts - 1 of each sequence, whose pages `page_indices` must already hold. Returns
+// [each sequence's catch-up output row [B, d], its logits [B, N], the drafts [B, num_drafts] (target ids)].
+std::vector<at::Tensor> mtp_head_chain(const at::Tensor& token_ids, const at::Tensor& hidden,
+                                       const c10::List<c10::optional<at::Tensor>>& params, at::ArrayRef<double> eps,
+                                       at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos,
+                                       const at::Tensor& sin, const at::Tensor& slot_mapping,
+                                       const at::Tensor& positions, const at::Tensor& qo_indptr,
+                                       const at::Tensor& page_indptr, const at::Tensor& page_indices,
+                                       int64_t num_heads, int64_t num_kv_heads, double scale,
+                                       at::IntArrayRef windows, int64_t num_drafts,
+                                       const c10::optional<at::Tensor>& target_ids) {
+  TORCH_CHECK(num_drafts >= 1, "num_drafts must be >= 1");
+  TORCH_CHECK(!k_caches.empty(), "the head has no layer");
+  const int64_t B = qo_indptr.numel() - 1;
+  TORCH_CHECK(B >= 1 && page_indptr.numel() == B + 1, "qo_indptr and page_indptr must cover the same sequences");
+  const int32_t* qo = qo_indptr.data_ptr<int32_t>();
+  at::Tensor logits_rows = at::empty({B}, positions.options());  // each sequence's last row
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(qo[b + 1] > qo[b], "sequence ", b, " brings no row");
+    logits_rows.data_ptr<int64_t>()[b] = qo[b + 1] - 1;
+  }
+  const bool mapped = target_ids.has_value() && target_ids->defined();
+  if (mapped)
+    TORCH_CHECK(target_ids->scalar_type() == at::kLong && target_ids->is_contiguous() && target_ids->dim() == 1,
+                "target_ids must be a contiguous int64 [N]");
+  std::vector<at::Tensor> step =
+      mtp_head_forward(token_ids, hidden, params, eps, k_caches, v_caches, cos, sin, slot_mapping, positions,
+                       qo_indptr, page_indptr, page_indices, num_heads, num_kv_heads, scale, windows, logits_rows);
+  const at::Tensor newest = step[0].index_select(0, logits_rows);  // [B, d]
+  const at::Tensor first_logits = step[1];
+  at::Tensor drafts = at::empty({B, num_drafts}, token_ids.options().dtype(at::kLong));
+  int64_t* draft_ptr = drafts.data_ptr<int64_t>();
+  const int64_t vocab = first_logits.size(1);
+  auto take = [&](const at::Tensor& argmax, int64_t j) {  // draft ids -> target ids, column j
+    const int64_t* a = argmax.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(a[b] >= 0 && a[b] < vocab, "argmax outside the logits");
+      draft_ptr[b * num_drafts + j] = mapped ? target_ids->data_ptr<int64_t>()[a[b]] : a[b];
+    }
+  };
+  take(step[2].contiguous(), 0);
+  if (num_drafts == 1) return {newest, first_logits, drafts};
+
+  const int64_t page_size = k_caches[0].size(1);
+  const int64_t* row_ptr = logits_rows.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int32_t* pind = page_indptr.data_ptr<int32_t>();
+  const int32_t* pages = page_indices.data_ptr<int32_t>();
+  const at::Tensor step_rows = at::arange(B, logits_rows.options());
+  const at::Tensor step_qo = at::arange(B + 1, qo_indptr.options());
+  at::Tensor step_positions = at::empty({B}, positions.options());
+  at::Tensor step_slots = at::empty({B}, slot_mapping.options());
+  at::Tensor step_ids = at::empty({B}, drafts.options());
+  at::Tensor carried = newest;
+  for (int64_t j = 1; j < num_drafts; ++j) {
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(row_ptr[b] < positions.numel(), "qo_indptr runs past the batch's rows");
+      const int64_t p = pos[row_ptr[b]] + j, page = p / page_size;
+      TORCH_CHECK(page < pind[b + 1] - pind[b], "sequence ", b, " has no page for draft position ", p);
+      step_positions.data_ptr<int64_t>()[b] = p;
+      step_slots.data_ptr<int64_t>()[b] = static_cast<int64_t>(pages[pind[b] + page]) * page_size + p % page_size;
+      step_ids.data_ptr<int64_t>()[b] = draft_ptr[b * num_drafts + j - 1];
+    }
+    step = mtp_head_forward(step_ids, carried, params, eps, k_caches, v_caches, cos, sin, step_slots, step_positions,
+                            step_qo, page_indptr, page_indices, num_heads, num_kv_heads, scale, windows, step_rows);
+    carried = step[0];
+    take(step[2].contiguous(), j);
+  }
+  return {newest, first_logits, drafts};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mtp_cpu, m) {
@@ -1260,6 +1391,16 @@ TORCH_LIBRARY(mtp_cpu, m) {
       "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor positions, Tensor qo_indptr, Tensor page_indptr, "
       "Tensor page_indices, int num_heads, int num_kv_heads, float scale, int[] windows, Tensor? tree_start=None, "
       "Tensor? tree_keys=None, int[] keep=[]) -> Tensor[]");
+  m.def(
+      "mtp_head_forward(Tensor token_ids, Tensor hidden, Tensor?[] params, float[] eps, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor positions, Tensor qo_indptr, "
+      "Tensor page_indptr, Tensor page_indices, int num_heads, int num_kv_heads, float scale, int[] windows, "
+      "Tensor logits_rows) -> Tensor[]");
+  m.def(
+      "mtp_head_chain(Tensor token_ids, Tensor hidden, Tensor?[] params, float[] eps, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor positions, Tensor qo_indptr, "
+      "Tensor page_indptr, Tensor page_indices, int num_heads, int num_kv_heads, float scale, int[] windows, "
+      "int num_drafts, Tensor? target_ids=None) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(mtp_cpu, CPU, m) {
@@ -1269,4 +1410,6 @@ TORCH_LIBRARY_IMPL(mtp_cpu, CPU, m) {
   m.impl("mtp_input", &mtp_input);
   m.impl("paged_attention", &paged_attention);
   m.impl("decode_layers", &decode_layers);
+  m.impl("mtp_head_forward", &mtp_head_forward);
+  m.impl("mtp_head_chain", &mtp_head_chain);
 }

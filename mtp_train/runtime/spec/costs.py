@@ -116,10 +116,15 @@ def head_step_seconds(target, head, prompt_ids: list[int], repeats: int = 50) ->
     n = len(prompt_ids) - 1
     head(torch.tensor(prompt_ids[1:]), out.hidden[:-1], BatchInfo.for_sequences([head_seq], [n], allocator), head_cache)
     last_hidden, token = out.hidden[-1:], torch.tensor(prompt_ids[-1:])
+    first_row = torch.zeros(1, dtype=torch.long, device=target.device)
+    forward_with_logits = getattr(head, "forward_with_logits", None)  # a DraftHead: one kernel call on the CPU
 
     def step() -> None:
         batch = BatchInfo.for_sequences([head_seq], [1], allocator, advance=False)
-        head.logits(head(token, last_hidden, batch, head_cache)).argmax(-1)
+        if forward_with_logits is not None:
+            forward_with_logits(token, last_hidden, batch, head_cache, first_row)
+        else:
+            head.logits(head(token, last_hidden, batch, head_cache)).argmax(-1)
         _synchronize(target.device)
 
     def target_step() -> None:

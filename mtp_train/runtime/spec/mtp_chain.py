@@ -9,6 +9,11 @@ After the target has processed positions up to L-2 (L = committed tokens), the h
 gives draft d_1. Each further draft feeds the head its own output and its last draft at the next position. After the
 verify, the head's cache is cut back to where the draft chain started and those positions are recomputed from the
 verify's (exact) hidden states, in the same forward that yields the next d_1.
+
+`catch_up` only records those rows; `propose` runs them. Greedy, on the CPU decode path, the catch-up and the k - 1
+draft steps are one kernel call (`DraftHead.greedy_chain`): after a target forward has emptied the caches, the Python
+between a head's kernel calls costs about as much as the kernels (docs/tuning.md). Otherwise each head forward is one
+call (`DraftHead.forward_with_logits`), or the head's `forward` and `logits` for a head without it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.runtime.attention import BatchInfo
-from mtp_train.runtime.spec.proposer import DraftState, Proposer, Request, rewind
+from mtp_train.runtime.spec.proposer import DraftProposal, DraftState, Proposer, Request, rewind
 
 
 @dataclass
@@ -27,10 +32,13 @@ class MTPChainState(DraftState):
     target_hidden: torch.Tensor | None = None  # [m, d] H (EAGLE-3: [m, 3d] aux states) at hidden_start .. L-2
     hidden_start: int = 0
     head_hidden: torch.Tensor | None = None  # [d]: the head's output of the row (H_{L-2}, t_{L-1})
+    next_token: int | None = None  # the argmax of next_logits, a target id: the greedy chain's first draft
+    pending: bool = False  # catch-up rows recorded (target_hidden) and not run yet: `propose` runs them
 
     def clear(self) -> None:
         super().clear()
-        self.target_hidden = self.head_hidden = None
+        self.target_hidden = self.head_hidden = self.next_token = None
+        self.pending = False
 
 
 class MTPChainProposer(Proposer):
@@ -53,18 +61,26 @@ class MTPChainProposer(Proposer):
                 raise UserError(f"the draft head's {key}={head_value} differs from the target's {key}={target_value}")
         super().__init__(target, allocator, head.new_kv_cache(allocator))
         self.head = head
+        self.forward_with_logits = getattr(head, "forward_with_logits", None)
         self.aux_layers = tuple(getattr(head, "aux_layers", ()))  # an EAGLE-3 head reads these target layers
         draft_ids = getattr(head, "draft_ids", None)
+        self.target_id_of: list[int] | None = None  # draft id -> target id, for the greedy chain's ids
         if draft_ids is not None:  # a reduced draft vocabulary
             self.draft_ids, self.target_vocab_size = draft_ids.to(self.device), head.config.vocab_size
+            self.target_id_of = draft_ids.tolist()
 
     def observe_target(self, state: MTPChainState, hidden: torch.Tensor, first_position: int) -> None:
         state.target_hidden, state.hidden_start = hidden, first_position
 
+    # Whether `catch_up` leaves its forward to `propose`, which then runs it with the greedy draft chain in one call
+    # where the head has one (`DraftHead.greedy_chain`); a subclass that reads the head state right after `catch_up`
+    # (the tree proposer) sets it False.
+    defer_catch_up = True
+
     def catch_up(self, requests: list[Request]) -> None:
         """Rows (H_i, t_{i+1}) for i = hidden_start .. L-2: rebuilds the head's cache from where the draft chain
-        started (or from 0 after the prefill); the last row's output gives the next first draft."""
-        token_ids, row_counts = [], []
+        started (or from 0 after the prefill); the last row's output gives the next first draft. Checked and recorded
+        here; run by `propose` (`defer_catch_up`), or here."""
         for req in requests:
             state = req.draft
             num_rows = state.target_hidden.shape[0]
@@ -74,17 +90,41 @@ class MTPChainProposer(Proposer):
                     f"{state.hidden_start + num_rows - 1}, expected up to {len(req.token_ids) - 2}"
                 )
             rewind(state.view, state.hidden_start)
+            state.pending = True
+        if not self.defer_catch_up:
+            self._run_catch_up(requests)
+
+    def _catch_up_rows(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The pending rows of `requests`: token ids [T], target states [T, d (3d)], rows per request."""
+        token_ids, row_counts = [], []
+        for req in requests:
+            state = req.draft
+            num_rows = state.target_hidden.shape[0]
             token_ids.extend(req.token_ids[state.hidden_start + 1 : state.hidden_start + 1 + num_rows])
             row_counts.append(num_rows)
+        hidden = (requests[0].draft.target_hidden if len(requests) == 1
+                  else torch.cat([r.draft.target_hidden for r in requests]))  # [sum rows, d]
+        return torch.tensor(token_ids, device=self.device), hidden, row_counts
+
+    def _run_catch_up(self, requests: list[Request]) -> None:
+        """The head's forward over the pending rows; sets each request's head state and next-token logits."""
+        requests = [r for r in requests if r.draft.pending]
+        if not requests:
+            return
+        token_ids, hidden, row_counts = self._catch_up_rows(requests)
         batch = BatchInfo.for_sequences([r.draft.view for r in requests], row_counts, self.allocator, self.device)
-        hidden = torch.cat([r.draft.target_hidden for r in requests])  # [sum rows, d]
-        out = self.head(torch.tensor(token_ids, device=self.device), hidden, batch, self.kv_cache)  # [sum rows, d]
+        newest_rows = batch.last_token_indices()  # [batch]: rows (H_{L-2}, t_{L-1})
+        out, logits, argmax = self._forward(token_ids, hidden, batch, newest_rows)
         self.forwards += 1
-        newest = out[batch.last_token_indices()]  # [batch, d]: rows (H_{L-2}, t_{L-1})
-        logits = self.head.logits(newest)  # [batch, vocab]
+        self._set_head_state(requests, out[newest_rows], logits, self._target_ids(argmax.tolist()))
+
+    @staticmethod
+    def _set_head_state(requests: list[Request], newest: torch.Tensor, logits: torch.Tensor,
+                        next_tokens: list[int]) -> None:
         for b, req in enumerate(requests):
-            req.draft.head_hidden, req.draft.next_logits = newest[b], logits[b]
-            req.draft.target_hidden = None
+            state = req.draft
+            state.head_hidden, state.next_logits, state.next_token = newest[b], logits[b], next_tokens[b]
+            state.target_hidden, state.pending = None, False
 
     def initial_carry(self, requests: list[Request]) -> torch.Tensor:
         return torch.stack([r.draft.head_hidden for r in requests])  # [m, d]
@@ -92,6 +132,77 @@ class MTPChainProposer(Proposer):
     def draft_step(self, requests, token_ids, carried):
         batch = BatchInfo.for_sequences([r.draft.view for r in requests], [1] * len(requests), self.allocator,
                                         self.device)
-        out = self.head(token_ids, carried, batch, self.kv_cache)  # [m, d]
+        out, logits, _ = self._forward(token_ids, carried, batch, torch.arange(len(requests), device=self.device))
         self.forwards += 1
-        return self.head.logits(out), out
+        return logits, out  # [m, vocab], [m, d]
+
+    def propose(self, requests, num_drafts, sampling, generator):
+        """Greedy: the chain the base class drafts at temperature 0, kept as ids — the first draft is the catch-up's
+        argmax (`next_token`), each further one the argmax of a draft step (returned with its logits by one kernel
+        call on the CPU decode path); no [vocab] row is stacked or arg-maxed in Python. Sampling: the base class."""
+        if sampling.greedy:
+            chained = self._greedy_chain(requests, num_drafts)
+            if chained is not None:
+                return chained
+        self._run_catch_up(requests)
+        if not sampling.greedy:
+            return super().propose(requests, num_drafts, sampling, generator)
+        tokens = [[req.draft.next_token] if n > 0 else [] for req, n in zip(requests, num_drafts)]
+        rows = [b for b, n in enumerate(num_drafts) if n > 1]  # requests drafting a second token
+        carried = torch.stack([requests[b].draft.head_hidden for b in rows]) if rows else None  # [m, d]
+        for j in range(1, max(num_drafts, default=0)):
+            keep = [i for i, b in enumerate(rows) if num_drafts[b] > j]
+            if len(keep) < len(rows):
+                rows = [rows[i] for i in keep]
+                carried = carried[torch.tensor(keep, device=self.device)]
+            step = [requests[b] for b in rows]
+            batch = BatchInfo.for_sequences([r.draft.view for r in step], [1] * len(step), self.allocator,
+                                            self.device)
+            token_ids = torch.tensor([tokens[b][-1] for b in rows], device=self.device)  # [m] target ids
+            carried, _, argmax = self._forward(token_ids, carried, batch, torch.arange(len(rows), device=self.device))
+            self.forwards += 1
+            for b, token in zip(rows, self._target_ids(argmax.tolist())):
+                tokens[b].append(token)
+        return [DraftProposal(torch.tensor(ids, dtype=torch.long, device=self.device), None) for ids in tokens]
+
+    def _greedy_chain(self, requests: list[Request], num_drafts: list[int]) -> list[DraftProposal] | None:
+        """The pending catch-up and the whole greedy chain in one call (`DraftHead.greedy_chain`), when every request
+        has its catch-up pending and drafts the same number of tokens; None otherwise (or where the head has no such
+        path), nothing done."""
+        chain = getattr(self.head, "greedy_chain", None)
+        count = num_drafts[0] if num_drafts else 0
+        if (chain is None or count < 1 or any(n != count for n in num_drafts)
+                or not all(r.draft.pending for r in requests)):
+            return None
+        token_ids, hidden, row_counts = self._catch_up_rows(requests)
+        batch = BatchInfo.for_sequences([r.draft.view for r in requests], row_counts, self.allocator, self.device,
+                                        reserve_ahead=count - 1)
+        result = chain(token_ids, hidden, batch, self.kv_cache, count, self.draft_ids)
+        if result is None:  # not served: undo the batch's advance, the step-by-step path runs the rows
+            for req in requests:
+                rewind(req.draft.view, req.draft.hidden_start)
+            return None
+        drafts = result[2]  # [B, count] target ids
+        self.forwards += count
+        for req, ids in zip(requests, drafts.tolist()):
+            state = req.draft
+            # The next step's catch-up starts again from the target's states: no head state is read before it (the
+            # head output and logits stay with the kernel call; sampling never takes this path).
+            state.head_hidden = state.next_logits = state.target_hidden = None
+            state.next_token, state.pending = ids[0], False
+            state.view.num_cached += count - 1  # the draft steps' positions, as the step-by-step chain leaves them
+        return [DraftProposal(row, None) for row in drafts.unbind(0)]
+
+    def _target_ids(self, draft_ids: list[int]) -> list[int]:
+        return draft_ids if self.target_id_of is None else [self.target_id_of[i] for i in draft_ids]
+
+    def _forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, batch: BatchInfo,
+                 logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head over rows (hidden, token) [T]: (its output [T, d], the logits of `logits_rows` [R, vocab], their
+        argmax [R] in draft ids), in one call where the head has one (`DraftHead.forward_with_logits`: one kernel
+        call on the CPU decode path)."""
+        if self.forward_with_logits is not None:
+            return self.forward_with_logits(token_ids, hidden, batch, self.kv_cache, logits_rows)
+        out = self.head(token_ids, hidden, batch, self.kv_cache)  # [T, d]
+        logits = self.head.logits(out[logits_rows])
+        return out, logits, logits.argmax(-1)

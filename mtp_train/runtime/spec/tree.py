@@ -163,6 +163,7 @@ class TreeProposer(MTPChainProposer):
 
     schedule = "tree"
     draft_description = ""
+    defer_catch_up = False  # `propose_tree` reads the head state `catch_up` leaves
 
     @classmethod
     def accepts(cls, draft) -> bool:
