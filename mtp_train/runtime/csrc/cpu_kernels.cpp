@@ -1332,6 +1332,8 @@ std::vector<at::Tensor> mtp_head_chain(const at::Tensor& token_ids, const at::Te
   at::Tensor drafts = at::empty({B, num_drafts}, token_ids.options().dtype(at::kLong));
   int64_t* draft_ptr = drafts.data_ptr<int64_t>();
   const int64_t vocab = first_logits.size(1);
+  TORCH_CHECK(!mapped || target_ids->numel() == vocab, "target_ids must hold one target id per draft id (", vocab,
+              "), got ", mapped ? target_ids->numel() : 0);
   auto take = [&](const at::Tensor& argmax, int64_t j) {  // draft ids -> target ids, column j
     const int64_t* a = argmax.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {
