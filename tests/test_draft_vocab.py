@@ -229,22 +229,37 @@ def test_greedy_mtp_chain_with_reduced_vocab_matches_generate(models, k):
         assert stats.drafted_tokens > 0
 
 
-def test_drafts_are_target_ids_from_the_draft_vocabulary(models, monkeypatch):
-    """A head whose draft vocabulary holds only odd target ids feeds only odd ids back into its chain (the drafted
-    tokens, mapped through d2t), and the output is still plain greedy's."""
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_drafts_are_target_ids_from_the_draft_vocabulary(models, monkeypatch, greedy):
+    """A head whose draft vocabulary holds only odd target ids drafts only odd ids and feeds only those back into its
+    chain (the drafted tokens, mapped through d2t), greedy or sampled; greedy output is still plain greedy's."""
+    from mtp_train.runtime.sampler import SamplingParams
+    from mtp_train.runtime.spec import speculative_generate
     from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
 
     fed_back: list[int] = []
-    original = MTPChainProposer.draft_step
+    drafted: list[int] = []
+    step_name = "greedy_draft_step" if greedy else "draft_step"
+    original_step, original_propose = getattr(MTPChainProposer, step_name), MTPChainProposer.propose
 
-    def recording_draft_step(self, requests, token_ids, state):
+    def recording_step(self, requests, token_ids, carried):
         fed_back.extend(token_ids.tolist())
-        return original(self, requests, token_ids, state)
+        return original_step(self, requests, token_ids, carried)
 
-    monkeypatch.setattr(MTPChainProposer, "draft_step", recording_draft_step)
+    def recording_propose(self, *args):
+        proposals = original_propose(self, *args)
+        drafted.extend(t for p in proposals for t in p.draft_token_ids.tolist())
+        return proposals
+
+    monkeypatch.setattr(MTPChainProposer, step_name, recording_step)
+    monkeypatch.setattr(MTPChainProposer, "propose", recording_propose)
     head = reduced_head(models["target"], torch.arange(1, VOCAB, 2), init="last_layer")
-    run_and_compare(models["target"], head, make_prompts(4), 32, 3)
+    if greedy:
+        run_and_compare(models["target"], head, make_prompts(4), 32, 3)
+    else:
+        speculative_generate(models["target"], head, make_prompts(4), 32, 3, sampling=SamplingParams(temperature=1.0))
     assert fed_back and all(token % 2 == 1 for token in fed_back)
+    assert drafted and all(token % 2 == 1 for token in drafted)
 
 
 @pytest.mark.slow  # 2,000 sequences per χ² test: 3-4 s each

@@ -155,15 +155,21 @@ class MTPChainProposer(Proposer):
             if len(keep) < len(rows):
                 rows = [rows[i] for i in keep]
                 carried = carried[torch.tensor(keep, device=self.device)]
-            step = [requests[b] for b in rows]
-            batch = BatchInfo.for_sequences([r.draft.view for r in step], [1] * len(step), self.allocator,
-                                            self.device)
             token_ids = torch.tensor([tokens[b][-1] for b in rows], device=self.device)  # [m] target ids
-            carried, _, argmax = self._forward(token_ids, carried, batch, torch.arange(len(rows), device=self.device))
-            self.forwards += 1
-            for b, token in zip(rows, self._target_ids(argmax.tolist())):
+            next_tokens, carried = self.greedy_draft_step([requests[b] for b in rows], token_ids, carried)
+            for b, token in zip(rows, next_tokens):
                 tokens[b].append(token)
         return [DraftProposal(torch.tensor(ids, dtype=torch.long, device=self.device), None) for ids in tokens]
+
+    def greedy_draft_step(self, requests: list[Request], token_ids: torch.Tensor, carried: torch.Tensor
+                          ) -> tuple[list[int], torch.Tensor]:
+        """`draft_step` at temperature 0: feed each request its last draft (`token_ids` [m], target ids) and the head's
+        last output (`carried` [m, d]); returns the next drafts (target ids) and the new outputs [m, d]."""
+        batch = BatchInfo.for_sequences([r.draft.view for r in requests], [1] * len(requests), self.allocator,
+                                        self.device)
+        out, _, argmax = self._forward(token_ids, carried, batch, torch.arange(len(requests), device=self.device))
+        self.forwards += 1
+        return self._target_ids(argmax.tolist()), out
 
     def _greedy_chain(self, requests: list[Request], num_drafts: list[int]) -> list[DraftProposal] | None:
         """The pending catch-up and the whole greedy chain in one call (`DraftHead.greedy_chain`), when every request
