@@ -343,6 +343,12 @@ class DraftHead(nn.Module):
         logits = self.logits(out[logits_rows])
         return out, logits, logits.argmax(-1)
 
+    @property
+    def chains_in_one_call(self) -> bool:
+        """Whether `greedy_chain` can run (the CPU decode path's one-call forward is set); it may still decline a
+        forward it does not take."""
+        return self._borrowed.decode_forward is not None
+
     def greedy_chain(
         self,
         token_ids: torch.Tensor,  # [T]: a catch-up's rows

@@ -175,15 +175,14 @@ class MTPChainProposer(Proposer):
         """The pending catch-up and the whole greedy chain in one call (`DraftHead.greedy_chain`), when every request
         has its catch-up pending and drafts the same number of tokens; None otherwise (or where the head has no such
         path), nothing done."""
-        chain = getattr(self.head, "greedy_chain", None)
         count = num_drafts[0] if num_drafts else 0
-        if (chain is None or count < 1 or any(n != count for n in num_drafts)
+        if (not getattr(self.head, "chains_in_one_call", False) or count < 1 or any(n != count for n in num_drafts)
                 or not all(r.draft.pending for r in requests)):
             return None
         token_ids, hidden, row_counts = self._catch_up_rows(requests)
         batch = BatchInfo.for_sequences([r.draft.view for r in requests], row_counts, self.allocator, self.device,
                                         reserve_ahead=count - 1)
-        result = chain(token_ids, hidden, batch, self.kv_cache, count, self.draft_ids)
+        result = self.head.greedy_chain(token_ids, hidden, batch, self.kv_cache, count, self.draft_ids)
         if result is None:  # not served: undo the batch's advance, the step-by-step path runs the rows
             for req in requests:
                 rewind(req.draft.view, req.draft.hidden_start)
