@@ -230,7 +230,11 @@ def _markdown(summary: dict) -> str:
         lines += ["", f"Cost curve (first prompt, {first.get('prompt_tokens')} tokens): decode "
                   f"{_fmt(first.get('decode_ms'), '.1f')} ms; {verify} decode steps; draft step per decode: "
                   + ", ".join(f"{name} {_fmt(c.get('draft_step_over_decode'), '.3f')}" for name, c in curves.items())
-                  + ". Predicted speedup at k = τ(k) / (verify(k+1)/decode + k · draft step/decode).", ""]
+                  + "".join(f"; {name}'s greedy chain of k drafts in one call per decode: "
+                            + ", ".join(f"k = {k} {r:.3f}" for k, r in c["chain_over_decode"].items())
+                            for name, c in curves.items() if c.get("chain_over_decode"))
+                  + ". Predicted speedup at k = τ(k) / (verify(k+1)/decode + drafting(k)/decode), drafting(k) = "
+                  "the chain where timed, else k draft steps.", ""]
         lines += [f"- {_best_k_line(name, best)}" for name, best in ev["best_k"].items()]
     lines += ["", "| export format | result |", "|---|---|"]
     lines += [f"| {name} | {where} |" for name, where in summary["exports"].items()]

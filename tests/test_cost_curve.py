@@ -83,3 +83,37 @@ def test_measured_on_tiny_models_for_a_head_a_draft_model_and_prompt_lookup(mode
     assert curves["mtp"].verify_over_decode == curves["lookup"].verify_over_decode
     assert curves["mtp"].decode_s == curves["draft"].decode_s
     assert draft_step_seconds(target, PromptLookup(), prompt, repeats=2) > 0
+
+
+def test_a_head_chain_timed_whole_replaces_k_draft_steps():
+    """A head drafting its greedy chain in one kernel call is priced by that chain timed whole (only its first step
+    meets cold caches), where measured; other k keep k draft steps. The report form carries it, averaging keeps the
+    k both curves have."""
+    chained = CostCurve(0.05, {2: 1.1, 3: 1.2, 4: 1.5}, 0.1, 200, chain_over_decode={2: 0.15, 3: 0.2})
+    assert chained.drafting_over_decode(2) == 0.15 and chained.drafting_over_decode(1) == pytest.approx(0.1)
+    assert chained.predicted_speedup(2.0, 2) == pytest.approx(2.0 / (1.2 + 0.15))  # not 2.0 / (1.2 + 0.2)
+    assert chained.predicted_speedup(1.6, 1) == CURVE.predicted_speedup(1.6, 1)
+    assert chained.as_dict()["chain_over_decode"] == {"2": 0.15, "3": 0.2}
+    other = CostCurve(0.05, {2: 1.1, 3: 1.2, 4: 1.5}, 0.1, 200, chain_over_decode={2: 0.25})
+    assert CostCurve.averaged([chained, other]).chain_over_decode == pytest.approx({2: 0.2})
+
+
+def test_a_head_chain_is_measured_where_the_head_drafts_it_in_one_call(models):
+    """On the CPU decode path an MTP head's curve carries its chain per k, each timed as the loop runs it; a draft
+    without the one-call chain (prompt lookup) carries none."""
+    from mtp_train.heads import DraftHead, HeadConfig
+    from mtp_train.runtime import kernels
+    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+
+    assert kernels.cpu_kernels() is not None, f"the CPU decode kernels did not build: {kernels.unavailable_reason()}"
+    target = models["target"]
+    torch.manual_seed(0)
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="last_layer"))
+    apply_decode_path(head, torch.float32, KERNEL_MAX_ROWS)
+    assert head.chains_in_one_call
+    prompt = [(7 * i) % 90 + 2 for i in range(40)]
+    curves = measure_cost_curves(target, {"mtp": head, "lookup": PromptLookup()}, prompt, ks=[1, 3], repeats=2,
+                                 draft_repeats=2)
+    assert set(curves["mtp"].chain_over_decode) == {1, 3}
+    assert all(r > 0 for r in curves["mtp"].chain_over_decode.values())
+    assert curves["lookup"].chain_over_decode == {}

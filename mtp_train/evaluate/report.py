@@ -174,11 +174,12 @@ def _cost_curve_lines(report: dict[str, Any]) -> list[str]:
              (f"Step costs at batch 1 after the first prompt ({first['prompt_tokens']} tokens), measured before and "
               "after the runs with the same loaded models and averaged (each verify's ratio to the decode step taken "
               "within each of 5 interleaved rounds, the median). Predicted speedup at k = τ(k) / "
-              "(verify(k+1)/decode + k · draft step/decode)."), ""]
+              "(verify(k+1)/decode + drafting(k)/decode), drafting(k) = k draft steps, or a head's greedy chain "
+              "of k drafts in one kernel call timed whole (chain(k) below)."), ""]
     ns = list(first["verify_over_decode"])
     lines.append(_row(["draft", "decode ms", *[f"verify({n})/decode" for n in ns], "draft step/decode",
-                       "best k: predicted", "best k: measured"]))
-    lines.append(_row(["---"] * (len(ns) + 5)))
+                       "chain(k)/decode", "best k: predicted", "best k: measured"]))
+    lines.append(_row(["---"] * (len(ns) + 6)))
     for name, curve in curves.items():
         best = report.get("best_k", {}).get(name, {})
         cells = []
@@ -187,8 +188,9 @@ def _cost_curve_lines(report: dict[str, Any]) -> list[str]:
             r = report["overall"].get(f"{name}@k={k}", {})
             cells.append("" if k is None else f"{k} (predicted {r.get('predicted_speedup', 0):.2f}×, measured "
                          f"{r.get('speedup', 0):.2f}×)")
+        chain = ", ".join(f"{k}: {r:.3f}" for k, r in curve.get("chain_over_decode", {}).items())
         lines.append(_row([name, f"{curve['decode_ms']:.2f}", *[f"{curve['verify_over_decode'][n]:.2f}" for n in ns],
-                           f"{curve['draft_step_over_decode']:.3f}", *cells]))
+                           f"{curve['draft_step_over_decode']:.3f}", chain, *cells]))
     return lines
 
 

@@ -4,14 +4,16 @@ vocabulary projection), of a draft model (one decode step) or of prompt lookup (
 prefill of the same prompt, at batch 1. Times are the best of 3 rounds: the machine is shared.
 
 `CostCurve` holds them relative to one decode step, and predicts the speedup of k speculative tokens from the
-acceptance measured at that k: τ(k) / (verify(k+1)/decode + k · draft step/decode) (τ: tokens per target forward;
-plain decoding makes one token per decode step)."""
+acceptance measured at that k: τ(k) / (verify(k+1)/decode + drafting(k)/decode) (τ: tokens per target forward;
+plain decoding makes one token per decode step), drafting(k) being k draft steps, or, for a head that drafts its greedy
+chain in one kernel call, that chain of k drafts timed whole (`head_chain_seconds`: only its first step meets caches
+the target's weight stream has emptied)."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -147,6 +149,39 @@ def lookup_step_seconds(target, lookup: PromptLookup, prompt_ids: list[int], rep
     return best_seconds(step, repeats)
 
 
+@torch.inference_mode()
+def head_chain_seconds(target, head, prompt_ids: list[int], k: int, repeats: int = 20) -> float:
+    """Seconds of a head's drafting in one greedy speculative step of k drafts, as the loop runs it (the MTP chain
+    proposer's `catch_up` of one row and `propose`: one kernel call on the CPU decode path), each after an untimed
+    target decode step."""
+    from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
+
+    allocator = PageAllocator(2 * _pages(prompt_ids, k + 1), 16)
+    proposer = MTPChainProposer(target, head, allocator)
+    cache, pages = target.new_kv_cache(allocator), []
+    request = Request(0, list(prompt_ids), pages, proposer.new_state(0, pages))
+    n = len(prompt_ids)
+    out = target(torch.tensor(prompt_ids), BatchInfo.for_sequences([request.target_view], [n], allocator), cache,
+                 return_hidden=True, aux_layers=proposer.aux_layers)
+    states = proposer.target_states(out)  # [n, d (3d)]
+    proposer.observe_target(request.draft, states[:-1], 0)  # the prefill's catch-up: rows 0 .. n-2
+    proposer.catch_up([request])
+    proposer.propose([request], [1], SamplingParams(), None)
+    token = torch.tensor(prompt_ids[-1:])
+
+    def step() -> None:
+        proposer.observe_target(request.draft, states[n - 2 : n - 1], n - 2)  # one row, as after a verify
+        proposer.catch_up([request])
+        proposer.propose([request], [k], SamplingParams(), None)
+        _synchronize(target.device)
+
+    def target_step() -> None:
+        target(token, BatchInfo.for_sequences([request.target_view], [1], allocator, advance=False), cache)
+        _synchronize(target.device)
+
+    return best_seconds(step, repeats, between=target_step)
+
+
 def draft_step_seconds(target, draft, prompt_ids: list[int], repeats: int = 20) -> float:
     """Seconds of one draft step of any draft `speculative_generate` takes: prompt lookup, a draft model (one decode
     step of it) or a head."""
@@ -167,11 +202,19 @@ class CostCurve:
     draft_step_over_decode: float  # one draft step ÷ decode_s
     prompt_tokens: int  # the prompt the steps were measured after
     measure_s: float = 0.0  # wall time of the measurement (the target's steps, which drafts share, included)
+    # k -> a head's greedy chain of k drafts in one kernel call, timed whole (`head_chain_seconds`), ÷ decode_s; empty
+    # for drafts without it (their drafting is k draft steps)
+    chain_over_decode: dict[int, float] = field(default_factory=dict)
+
+    def drafting_over_decode(self, k: int) -> float:
+        """What drafting k tokens costs per speculative step, in decode steps: the chain timed whole where measured,
+        else k draft steps."""
+        return self.chain_over_decode.get(k, k * self.draft_step_over_decode)
 
     def predicted_speedup(self, tau: float, k: int) -> float:
-        """τ(k) / (verify(k+1)/decode + k · draft step/decode): tokens per target forward over the cost of one
-        speculative step (one verify of k + 1 tokens and k draft steps) counted in decode steps."""
-        return tau / (self.verify_over_decode[k + 1] + k * self.draft_step_over_decode)
+        """τ(k) / (verify(k+1)/decode + drafting(k)/decode): tokens per target forward over the cost of one
+        speculative step (one verify of k + 1 tokens and the drafting of k) counted in decode steps."""
+        return tau / (self.verify_over_decode[k + 1] + self.drafting_over_decode(k))
 
     def best_k(self, tau_by_k: dict[int, float]) -> int:
         """The k with the largest predicted speedup, from the τ measured at each k (the smaller k on a tie)."""
@@ -182,20 +225,25 @@ class CostCurve:
         """The mean of curves measured at different moments of one run (e.g. before and after the eval's runs): the
         machine's state during the runs lies between them more often than at either end."""
         first, mean = curves[0], statistics.fmean
+        chain_ks = set.intersection(*(set(c.chain_over_decode) for c in curves))
         return cls(mean(c.decode_s for c in curves),
                    {n: mean(c.verify_over_decode[n] for c in curves) for n in first.verify_over_decode},
                    mean(c.draft_step_over_decode for c in curves), first.prompt_tokens,
-                   measure_s=sum(c.measure_s for c in curves))
+                   measure_s=sum(c.measure_s for c in curves),
+                   chain_over_decode={k: mean(c.chain_over_decode[k] for c in curves) for k in sorted(chain_ks)})
 
     def as_dict(self) -> dict:
         """The report's form (JSON keys are strings: verify_over_decode is keyed by n = k + 1)."""
-        return {
+        form = {
             "decode_ms": round(self.decode_s * 1e3, 4),
             "verify_over_decode": {str(n): round(ratio, 5) for n, ratio in sorted(self.verify_over_decode.items())},
             "draft_step_over_decode": round(self.draft_step_over_decode, 5),
             "prompt_tokens": self.prompt_tokens,
             "measure_s": round(self.measure_s, 2),
         }
+        if self.chain_over_decode:
+            form["chain_over_decode"] = {str(k): round(r, 5) for k, r in sorted(self.chain_over_decode.items())}
+        return form
 
 
 def measure_cost_curves(target, drafts: dict[str, object], prompt_ids: list[int], ks: list[int], repeats: int = 5,
@@ -214,8 +262,11 @@ def measure_cost_curves(target, drafts: dict[str, object], prompt_ids: list[int]
     for name, draft in drafts.items():
         started = time.perf_counter()
         draft_step = draft_step_seconds(target, draft, prompt_ids, draft_repeats) / decode
+        chain = {}
+        if getattr(draft, "chains_in_one_call", False):  # a head drafting its greedy chain in one kernel call
+            chain = {k: head_chain_seconds(target, draft, prompt_ids, k, draft_repeats) / decode for k in ks}
         curves[name] = CostCurve(decode, verify, draft_step, len(prompt_ids),
-                                 measure_s=target_s + time.perf_counter() - started)
+                                 measure_s=target_s + time.perf_counter() - started, chain_over_decode=chain)
     return curves
 
 
