@@ -195,6 +195,15 @@ def _kernel_model(path, dtype=torch.float32):
     return apply_decode_path(model, dtype, KERNEL_MAX_ROWS)
 
 
+def _recording_ops(ops, record: dict):
+    """A stand-in for the kernels' ops object: each op named in `record` calls `record[name](args)` (when not None)
+    and then the real op."""
+    def wrap(name, hook):
+        real = getattr(ops, name)
+        return staticmethod(lambda *args: (hook(args) if hook else None, real(*args))[1])
+    return type("Ops", (), {name: wrap(name, hook) for name, hook in record.items()})
+
+
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
 def test_verify_rows_are_bit_identical_to_decode_steps(ops, tiny_dir, weights):
     """Each row is computed in the same order whatever the row count: a verify of 5 tokens gives exactly the logits of
@@ -646,9 +655,7 @@ def test_the_mtp_input_call_computes_what_the_separate_ops_compute(ops, tiny_dir
     fused = head._borrowed.decode_input
     assert isinstance(fused, DecodeMTPInput)
     served = []
-    original_input = ops.mtp_input
-    fused.ops = type("Ops", (), {"mtp_input": staticmethod(lambda *a: served.append(a[0].numel()) or
-                                                           original_input(*a))})
+    fused.ops = _recording_ops(ops, {"mtp_input": lambda args: served.append(args[0].numel())})
     gen = torch.Generator().manual_seed(4)
 
     def run():
@@ -690,9 +697,7 @@ def test_the_one_call_head_forward_computes_what_the_per_op_path_computes(ops, t
     fused = head._borrowed.decode_forward
     assert isinstance(fused, DecodeHeadForward)
     served = []
-    original = ops.mtp_head_forward
-    fused.ops = type("Ops", (), {"mtp_head_forward": staticmethod(lambda *a: served.append(a[0].numel()) or
-                                                                  original(*a))})
+    fused.ops = _recording_ops(ops, {"mtp_head_forward": lambda args: served.append(args[0].numel())})
     gen = torch.Generator().manual_seed(4)
     d = target.config.hidden_size
 
@@ -748,9 +753,8 @@ def test_the_greedy_chain_in_one_call_drafts_what_the_step_by_step_chain_drafts(
     apply_head_decode_weights(head, precision, "int8" if weights == torch.int8 else "target")
     fused = head._borrowed.decode_forward
     chains = []
-    fused.ops = type("Ops", (), {
-        "mtp_head_forward": staticmethod(ops.mtp_head_forward),
-        "mtp_head_chain": staticmethod(lambda *a: chains.append(a[-2]) or ops.mtp_head_chain(*a))})
+    fused.ops = _recording_ops(ops, {"mtp_head_forward": None,
+                                     "mtp_head_chain": lambda args: chains.append(args[-2])})  # num_drafts
     prompts = make_prompts(3)
     _, chained = run_and_compare(target, head, prompts, max_new_tokens=14, k=3)
     head.set_decode_forward(None)

@@ -50,6 +50,15 @@ class _Borrowed:
     decode_forward: object | None = None  # the runtime's one-call forward + logits of an MTP head (few-row, cached)
 
 
+def _inference(fn, *args):
+    """`fn(*args)` under inference mode, as the head's cached forwards run (entering it only where it is not on: the
+    speculative loop already is, and each entry costs a few µs on a ~0.5 ms draft step)."""
+    if torch.is_inference_mode_enabled():
+        return fn(*args)
+    with torch.inference_mode():
+        return fn(*args)
+
+
 class DraftHead(nn.Module):
     """A draft head over a target. Parameters: mtp `enorm, hnorm, eh_proj, layers.{j}.*, norm`; eagle1 `fc (+bias),
     layers.{j}.*` (layer 0 without input_layernorm); buffers `d2t`, `t2d` with a reduced draft vocabulary."""
@@ -332,11 +341,7 @@ class DraftHead(nn.Module):
         CPU decode path (`set_decode_forward`), bit-identical to the two calls it replaces."""
         fused = self._borrowed.decode_forward
         if fused is not None:
-            if torch.is_inference_mode_enabled():
-                result = fused(self, token_ids, hidden, batch, kv_cache, logits_rows)
-            else:
-                with torch.inference_mode():
-                    result = fused(self, token_ids, hidden, batch, kv_cache, logits_rows)
+            result = _inference(fused, self, token_ids, hidden, batch, kv_cache, logits_rows)
             if result is not None:
                 return result
         out = self(token_ids, hidden, batch, kv_cache)
@@ -365,10 +370,7 @@ class DraftHead(nn.Module):
         fused = self._borrowed.decode_forward
         if fused is None:
             return None
-        if torch.is_inference_mode_enabled():
-            return fused.chain(self, token_ids, hidden, batch, kv_cache, num_drafts, target_ids)
-        with torch.inference_mode():
-            return fused.chain(self, token_ids, hidden, batch, kv_cache, num_drafts, target_ids)
+        return _inference(fused.chain, self, token_ids, hidden, batch, kv_cache, num_drafts, target_ids)
 
     def readout(self, out: torch.Tensor) -> torch.Tensor:
         """The states the output projection reads from the head's output `out` [n, d]: `out` itself here (the mtp

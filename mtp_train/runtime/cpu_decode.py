@@ -447,9 +447,7 @@ class DecodeHeadForward:
         [R], their argmax [R]); None where this does not serve the forward (`serves`)."""
         if not self.serves(head, hidden, batch):
             return None
-        out, logits, argmax = self.ops.mtp_head_forward(*self._arguments(head, token_ids, hidden, batch, kv_cache),
-                                                        logits_rows)
-        return out, logits, argmax
+        return tuple(self.ops.mtp_head_forward(*self._arguments(head, token_ids, hidden, batch, kv_cache), logits_rows))
 
     def chain(self, head, token_ids: torch.Tensor, hidden: torch.Tensor, batch: BatchInfo, kv_cache,
               num_drafts: int, target_ids: torch.Tensor | None
@@ -461,9 +459,8 @@ class DecodeHeadForward:
         reduced draft vocabulary); None where this does not serve the forward."""
         if not self.serves(head, hidden, batch):
             return None
-        newest, logits, drafts = self.ops.mtp_head_chain(
-            *self._arguments(head, token_ids, hidden, batch, kv_cache, num_drafts - 1), num_drafts, target_ids)
-        return newest, logits, drafts
+        return tuple(self.ops.mtp_head_chain(
+            *self._arguments(head, token_ids, hidden, batch, kv_cache, num_drafts - 1), num_drafts, target_ids))
 
 
 def tree_key_tables(batch: BatchInfo) -> tuple[torch.Tensor, torch.Tensor] | None:

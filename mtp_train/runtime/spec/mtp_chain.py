@@ -130,11 +130,17 @@ class MTPChainProposer(Proposer):
         return torch.stack([r.draft.head_hidden for r in requests])  # [m, d]
 
     def draft_step(self, requests, token_ids, carried):
+        out, logits, _ = self._step(requests, token_ids, carried)
+        return logits, out  # [m, vocab], [m, d]
+
+    def _step(self, requests: list[Request], token_ids: torch.Tensor, carried: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One draft step (each request's last draft `token_ids` [m] and the head's last output `carried` [m, d] at
+        its next position): (outputs [m, d], logits [m, vocab], their argmax [m] in draft ids)."""
         batch = BatchInfo.for_sequences([r.draft.view for r in requests], [1] * len(requests), self.allocator,
                                         self.device)
-        out, logits, _ = self._forward(token_ids, carried, batch, torch.arange(len(requests), device=self.device))
         self.forwards += 1
-        return logits, out  # [m, vocab], [m, d]
+        return self._forward(token_ids, carried, batch, torch.arange(len(requests), device=self.device))
 
     def propose(self, requests, num_drafts, sampling, generator):
         """Greedy: the chain the base class drafts at temperature 0, kept as ids — the first draft is the catch-up's
@@ -165,10 +171,7 @@ class MTPChainProposer(Proposer):
                           ) -> tuple[list[int], torch.Tensor]:
         """`draft_step` at temperature 0: feed each request its last draft (`token_ids` [m], target ids) and the head's
         last output (`carried` [m, d]); returns the next drafts (target ids) and the new outputs [m, d]."""
-        batch = BatchInfo.for_sequences([r.draft.view for r in requests], [1] * len(requests), self.allocator,
-                                        self.device)
-        out, _, argmax = self._forward(token_ids, carried, batch, torch.arange(len(requests), device=self.device))
-        self.forwards += 1
+        out, _, argmax = self._step(requests, token_ids, carried)
         return self._target_ids(argmax.tolist()), out
 
     def _greedy_chain(self, requests: list[Request], num_drafts: list[int]) -> list[DraftProposal] | None:
