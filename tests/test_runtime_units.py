@@ -133,3 +133,42 @@ def test_rotary_rows_from_the_cached_table_equal_the_computed_ones(tmp_path, dty
     assert rotary._cache[dtype][0].shape[0] == 1024  # grown to the next power of two
     empty = rotary(torch.zeros(0, dtype=torch.long), dtype)
     assert empty[0].shape == (0, model.config.head_dim)
+
+
+def test_cpu_facts_name_the_core_generation(tmp_path):
+    """A VM's model name may say only "AMD EPYC": the family/model numbers tell a Zen 3 (AVX2 only) from a Zen 4, and
+    every figure's machine line must say which."""
+    from mtp_train.runtime import hardware
+    from mtp_train.runtime.hardware import CpuFacts, _read_cpuinfo, cpu_generation
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"
+                       "model name\t: AMD EPYC\nflags\t\t: fpu avx2 fma\n\nprocessor\t: 1\ncpu family\t: 99\n")
+    model, flags, family, model_number = _read_cpuinfo(str(cpuinfo))
+    assert (model, family, model_number) == ("AMD EPYC", 25, 1) and {"avx2", "fma"} <= flags
+    assert _read_cpuinfo(str(tmp_path / "missing")) == ("", frozenset(), None, None)
+
+    assert cpu_generation("AMD EPYC", 25, 1) == "Zen 3"
+    assert cpu_generation("AMD EPYC", 25, 17) == "Zen 4"
+    assert cpu_generation("AMD Ryzen 7 5800X", 25, 0x21) == "Zen 3"
+    assert cpu_generation("AMD EPYC 7742", 23, 0x31) == "Zen 2"
+    assert cpu_generation("AMD EPYC 9755", 26, 2) == "Zen 5"
+    assert cpu_generation("Intel(R) Xeon(R) Platinum 8480+", 6, 143) is None  # numbers reported as they are
+    assert cpu_generation("AMD EPYC", None, None) is None
+
+    zen3 = CpuFacts("AMD EPYC", "x86_64", frozenset({"avx2"}), "AVX2", 2, family=25, model_number=1)
+    assert zen3.describe() == "AMD EPYC (Zen 3)"
+    xeon = CpuFacts("Intel(R) Xeon(R) Platinum 8480+", "x86_64", frozenset(), "AVX512", 2, 6, 143)
+    assert xeon.describe() == "Intel(R) Xeon(R) Platinum 8480+ (family 6 model 143)"
+    assert CpuFacts("Neoverse", "aarch64").describe() == "Neoverse"
+
+    hardware.cpu_facts.cache_clear()
+    try:
+        original = hardware._read_cpuinfo
+        hardware._read_cpuinfo = lambda: _read_cpuinfo(str(cpuinfo))
+        fields = hardware.machine_fields("float32").split()
+        assert {"cpu=AMD_EPYC", "cpu_family=25", "cpu_model=1", "cpu_generation=Zen_3"} <= set(fields)
+        assert hardware.machine_name().endswith("(AMD EPYC, Zen 3)")
+    finally:
+        hardware._read_cpuinfo = original
+        hardware.cpu_facts.cache_clear()

@@ -44,7 +44,7 @@ def collect_env(measure: bool = True, reprobe: bool = False) -> dict:
         "platform": platform.platform(),
         "packages": {name: _version(name) for name in PACKAGES},
         "cpu": {
-            "model": facts.model, "arch": facts.arch, "cores": facts.cores, "flags": facts.reported_flags(),
+            "model": facts.describe(), "family": facts.family, "model_number": facts.model_number, "arch": facts.arch, "cores": facts.cores, "flags": facts.reported_flags(),
             "native_bf16": facts.native_bf16, "torch_capability": facts.capability, "blas": blas_summary(),
         },
         "threads": {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
@@ -68,7 +68,8 @@ def format_env(env: dict) -> str:
     lines = [
         f"mtp_train {env['packages']['mtp_train']}   python {env['python']}   {env['platform']}",
         "packages:   " + ", ".join(f"{k} {v}" for k, v in env["packages"].items() if k != "mtp_train"),
-        f"cpu:        {cpu['model']} ({cpu['arch']}, {cpu['cores']} cores)",
+        f"cpu:        {cpu['model']}, {cpu['arch']}, {cpu['cores']} cores"
+        + (f" (cpu family {cpu['family']}, model {cpu['model_number']})" if cpu.get("family") is not None else ""),
         f"cpu flags:  {' '.join(cpu['flags']) or '-'}; native bf16 matmul: {'yes' if cpu['native_bf16'] else 'no'}",
         f"torch cpu:  capability {cpu['torch_capability']}; {cpu['blas']}",
         f"threads:    torch {env['threads']['torch']} (OMP_NUM_THREADS={env['threads']['OMP_NUM_THREADS'] or 'unset'})",

@@ -29,6 +29,21 @@ class CpuFacts:
     flags: frozenset[str] = field(default_factory=frozenset)
     capability: str = "unknown"  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
     cores: int = 1
+    family: int | None = None  # x86 /proc/cpuinfo `cpu family` and `model` (a VM's model name may say only
+    model_number: int | None = None  # "AMD EPYC": these tell a Zen 3 from a Zen 4)
+
+    @property
+    def generation(self) -> str | None:
+        """The core generation where the family/model numbers name one for sure (AMD Zen 2-5), else None."""
+        return cpu_generation(self.model, self.family, self.model_number)
+
+    def describe(self) -> str:
+        """The model name, with the generation (or the family/model numbers) where the name lacks it, e.g.
+        `AMD EPYC (Zen 3)`."""
+        if self.family is None or self.model_number is None:
+            return self.model
+        detail = self.generation or f"family {self.family} model {self.model_number}"
+        return self.model if detail in self.model else f"{self.model} ({detail})"
 
     @property
     def native_bf16(self) -> bool:
@@ -43,10 +58,35 @@ class CpuFacts:
         return [flag for flag in REPORTED_FLAGS if flag in self.flags]
 
 
-def _read_cpuinfo() -> tuple[str, frozenset[str]]:
-    model, flags = "", frozenset()
+# AMD's core generation by (cpu family, model range), as the Linux kernel's arch/x86/kernel/cpu/amd.c tells them.
+_AMD_GENERATIONS = (
+    (0x17, range(0x00, 0x30), "Zen/Zen+"),
+    (0x17, range(0x30, 0x100), "Zen 2"),
+    (0x19, range(0x00, 0x10), "Zen 3"),
+    (0x19, range(0x10, 0x20), "Zen 4"),
+    (0x19, range(0x20, 0x60), "Zen 3"),
+    (0x19, range(0x60, 0x80), "Zen 4"),
+    (0x19, range(0xA0, 0xB0), "Zen 4"),
+    (0x1A, range(0x00, 0x100), "Zen 5"),
+)
+
+
+def cpu_generation(model_name: str, family: int | None, model_number: int | None) -> str | None:
+    """`Zen 3` for an AMD CPU of family 0x19 model 0x01, etc.; None where the numbers name no generation here
+    (other vendors: their family/model numbers are reported as they are)."""
+    if family is None or model_number is None or "AMD" not in model_name.upper():
+        return None
+    for fam, models, name in _AMD_GENERATIONS:
+        if family == fam and model_number in models:
+            return name
+    return None
+
+
+def _read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str], int | None, int | None]:
+    """(model name, flags, cpu family, model number) of the first processor in /proc/cpuinfo."""
+    model, flags, family, model_number = "", frozenset(), None, None
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as stream:
+        with open(path, encoding="utf-8", errors="replace") as stream:
             for line in stream:
                 key, _, value = line.partition(":")
                 key = key.strip().lower()
@@ -54,20 +94,25 @@ def _read_cpuinfo() -> tuple[str, frozenset[str]]:
                     model = value.strip()
                 elif key in ("flags", "features") and not flags:
                     flags = frozenset(value.split())
+                elif key == "cpu family" and family is None and value.strip().isdigit():
+                    family = int(value)
+                elif key == "model" and model_number is None and value.strip().isdigit():
+                    model_number = int(value)
     except OSError:
         pass
-    return model, flags
+    return model, flags, family, model_number
 
 
 @lru_cache(maxsize=1)
 def cpu_facts() -> CpuFacts:
-    model, flags = _read_cpuinfo()
+    model, flags, family, model_number = _read_cpuinfo()
     try:
         capability = torch.backends.cpu.get_cpu_capability()
     except Exception:  # older torch
         capability = "unknown"
     return CpuFacts(model=model or platform.processor() or "unknown", arch=platform.machine().lower(),
-                    flags=flags, capability=capability, cores=os.cpu_count() or 1)
+                    flags=flags, capability=capability, cores=os.cpu_count() or 1, family=family,
+                    model_number=model_number)
 
 
 @dataclass(frozen=True)
@@ -150,8 +195,12 @@ def machine_fields(compute_dtype: str) -> str:
     """`key=value` fields naming the machine for a benchmark's `RESULT` line: torch's CPU capability (or the CUDA
     device), the CPU model and the compute dtype the figures were measured in."""
     facts = cpu_facts()
-    fields = [f"cpu_capability={facts.capability}", f"cpu={facts.model.replace(' ', '_') or 'unknown'}",
-              f"native_bf16={int(facts.native_bf16)}"]
+    fields = [f"cpu_capability={facts.capability}", f"cpu={facts.model.replace(' ', '_') or 'unknown'}"]
+    if facts.family is not None and facts.model_number is not None:
+        fields.append(f"cpu_family={facts.family} cpu_model={facts.model_number}")
+    if facts.generation:
+        fields.append(f"cpu_generation={facts.generation.replace(' ', '_')}")
+    fields.append(f"native_bf16={int(facts.native_bf16)}")
     if torch.cuda.is_available():
         fields.append(f"cuda={torch.cuda.get_device_name(0).replace(' ', '_')}")
     fields.append(f"compute_dtype={compute_dtype}")
@@ -163,4 +212,5 @@ def machine_name(device: torch.device | None = None) -> str:
     if device is not None and device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     facts = cpu_facts()
-    return f"{facts.capability} ({facts.model})"
+    detail = facts.describe().removeprefix(facts.model).strip(" ()")
+    return f"{facts.capability} ({facts.model}{', ' + detail if detail else ''})"

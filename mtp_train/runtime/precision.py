@@ -149,7 +149,7 @@ def _cache_path() -> Path:
 def _probe_key(facts: CpuFacts) -> str:
     from mtp_train.runtime.kernels import cpu_kernels, kernels_variant
 
-    text = json.dumps([PROBE_FORMAT_VERSION, facts.model, sorted(facts.flags), facts.capability, torch.__version__,
+    text = json.dumps([PROBE_FORMAT_VERSION, facts.model, facts.family, facts.model_number, sorted(facts.flags), facts.capability, torch.__version__,
                        torch.get_num_threads(), cpu_kernels() is not None, kernels_variant()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -167,7 +167,7 @@ def decode_probe(facts: CpuFacts, reprobe: bool = False, timer=None) -> dict[int
     if not reprobe and key in cached:
         return {int(rows): times for rows, times in cached[key]["decode"].items()}
     measured = timer()
-    cached[key] = {"cpu": facts.model, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    cached[key] = {"cpu": facts.describe(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                    "decode": {str(rows): times for rows, times in measured.items()}}
     try:
         from mtp_train.fileio import write_json_atomic
