@@ -44,8 +44,9 @@ def collect_env(measure: bool = True, reprobe: bool = False) -> dict:
         "platform": platform.platform(),
         "packages": {name: _version(name) for name in PACKAGES},
         "cpu": {
-            "model": facts.describe(), "family": facts.family, "model_number": facts.model_number, "arch": facts.arch, "cores": facts.cores, "flags": facts.reported_flags(),
-            "native_bf16": facts.native_bf16, "torch_capability": facts.capability, "blas": blas_summary(),
+            "model": facts.describe(), "family": facts.family, "model_number": facts.model_number,
+            "arch": facts.arch, "cores": facts.cores, "flags": facts.reported_flags(), "native_bf16": facts.native_bf16,
+            "torch_capability": facts.capability, "blas": blas_summary(),
         },
         "threads": {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
         "cuda": [{"index": d.index, "name": d.name, "memory_gib": round(d.memory_gib, 1),

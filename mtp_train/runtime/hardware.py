@@ -37,13 +37,18 @@ class CpuFacts:
         """The core generation where the family/model numbers name one for sure (AMD Zen 2-5), else None."""
         return cpu_generation(self.model, self.family, self.model_number)
 
-    def describe(self) -> str:
-        """The model name, with the generation (or the family/model numbers) where the name lacks it, e.g.
-        `AMD EPYC (Zen 3)`."""
+    def detail(self) -> str:
+        """What the model name lacks to tell this CPU apart: its generation (`Zen 3`), else its family/model numbers
+        (`family 6 model 143`); empty where the name says it already or the numbers are unknown."""
         if self.family is None or self.model_number is None:
-            return self.model
+            return ""
         detail = self.generation or f"family {self.family} model {self.model_number}"
-        return self.model if detail in self.model else f"{self.model} ({detail})"
+        return "" if detail in self.model else detail
+
+    def describe(self) -> str:
+        """The model name with `detail()`, e.g. `AMD EPYC (Zen 3)`."""
+        detail = self.detail()
+        return f"{self.model} ({detail})" if detail else self.model
 
     @property
     def native_bf16(self) -> bool:
@@ -193,7 +198,8 @@ def blas_summary() -> str:
 
 def machine_fields(compute_dtype: str) -> str:
     """`key=value` fields naming the machine for a benchmark's `RESULT` line: torch's CPU capability (or the CUDA
-    device), the CPU model and the compute dtype the figures were measured in."""
+    device), the CPU model, its family/model numbers and generation where known, and the compute dtype the figures
+    were measured in."""
     facts = cpu_facts()
     fields = [f"cpu_capability={facts.capability}", f"cpu={facts.model.replace(' ', '_') or 'unknown'}"]
     if facts.family is not None and facts.model_number is not None:
@@ -212,5 +218,5 @@ def machine_name(device: torch.device | None = None) -> str:
     if device is not None and device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     facts = cpu_facts()
-    detail = facts.describe().removeprefix(facts.model).strip(" ()")
+    detail = facts.detail()
     return f"{facts.capability} ({facts.model}{', ' + detail if detail else ''})"

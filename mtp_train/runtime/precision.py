@@ -149,8 +149,9 @@ def _cache_path() -> Path:
 def _probe_key(facts: CpuFacts) -> str:
     from mtp_train.runtime.kernels import cpu_kernels, kernels_variant
 
-    text = json.dumps([PROBE_FORMAT_VERSION, facts.model, facts.family, facts.model_number, sorted(facts.flags), facts.capability, torch.__version__,
-                       torch.get_num_threads(), cpu_kernels() is not None, kernels_variant()])
+    text = json.dumps([PROBE_FORMAT_VERSION, facts.model, facts.family, facts.model_number, sorted(facts.flags),
+                       facts.capability, torch.__version__, torch.get_num_threads(), cpu_kernels() is not None,
+                       kernels_variant()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
