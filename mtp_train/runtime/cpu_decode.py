@@ -95,6 +95,7 @@ class ManyRowLinear:
         self.linears = linears
         self.packed: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.onednn = _ONEDNN  # prepacked for oneDNN (`_pack` may find its bf16 path unsupported: then F.linear)
         self.dtype = torch.bfloat16 if dtype == torch.bfloat16 and _native_bf16() else torch.float32
 
     def _pack(self) -> None:
@@ -103,13 +104,19 @@ class ManyRowLinear:
         if any(b is not None for b in biases):
             self.bias = torch.cat([b.detach().float() if b is not None else torch.zeros(l.out_features)
                                    for b, l in zip(biases, self.linears)]).to(self.dtype)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if _ONEDNN else weight
+        if self.onednn:
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+                return
+            except RuntimeError:  # oneDNN's bf16 GEMM needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: torch's own then
+                self.onednn = False
+        self.packed = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             self._pack()
         x = x.contiguous().to(self.dtype)
-        if _ONEDNN:
+        if self.onednn:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         else:
             out = F.linear(x, self.packed, self.bias)
