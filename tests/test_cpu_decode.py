@@ -90,7 +90,7 @@ def test_int8_weights_compute_the_dequantized_linear(ops, rows, in_features):
         got = ops.linear_silu_mul(x, pack_gate_up(gate_q, up_q).contiguous(), None,
                                   torch.stack((gate_scale, up_scale), dim=1).contiguous())
         # fp32 sums of `in_features` products, then a product of two of them: the rounding scales with the outputs'
-        # size (the AVX2 build sums a gate/up pair in one chain per dot product: 1.7e-4 off outputs up to ~300)
+        # size (the AVX2 build sums a gate/up pair in one chain per dot product: 1.7e-4 off outputs up to ~2,700)
         torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-6 * expected.abs().max().item())
 
 

@@ -135,7 +135,7 @@ def test_rotary_rows_from_the_cached_table_equal_the_computed_ones(tmp_path, dty
     assert empty[0].shape == (0, model.config.head_dim)
 
 
-def test_cpu_facts_name_the_core_generation(tmp_path):
+def test_cpu_facts_name_the_core_generation(tmp_path, monkeypatch):
     """A VM's model name may say only "AMD EPYC": the family/model numbers tell a Zen 3 (AVX2 only) from a Zen 4, and
     every figure's machine line must say which."""
     from mtp_train.runtime import hardware
@@ -162,13 +162,11 @@ def test_cpu_facts_name_the_core_generation(tmp_path):
     assert xeon.describe() == "Intel(R) Xeon(R) Platinum 8480+ (family 6 model 143)"
     assert CpuFacts("Neoverse", "aarch64").describe() == "Neoverse"
 
+    monkeypatch.setattr(hardware, "_read_cpuinfo", lambda: _read_cpuinfo(str(cpuinfo)))
     hardware.cpu_facts.cache_clear()
     try:
-        original = hardware._read_cpuinfo
-        hardware._read_cpuinfo = lambda: _read_cpuinfo(str(cpuinfo))
         fields = hardware.machine_fields("float32").split()
         assert {"cpu=AMD_EPYC", "cpu_family=25", "cpu_model=1", "cpu_generation=Zen_3"} <= set(fields)
         assert hardware.machine_name().endswith("(AMD EPYC, Zen 3)")
     finally:
-        hardware._read_cpuinfo = original
-        hardware.cpu_facts.cache_clear()
+        hardware.cpu_facts.cache_clear()  # the next caller reads this machine's facts again

@@ -44,7 +44,8 @@ def collect_env(measure: bool = True, reprobe: bool = False) -> dict:
         "platform": platform.platform(),
         "packages": {name: _version(name) for name in PACKAGES},
         "cpu": {
-            "model": facts.describe(), "family": facts.family, "model_number": facts.model_number,
+            "model": facts.model, "generation": facts.generation, "family": facts.family,
+            "model_number": facts.model_number,
             "arch": facts.arch, "cores": facts.cores, "flags": facts.reported_flags(), "native_bf16": facts.native_bf16,
             "torch_capability": facts.capability, "blas": blas_summary(),
         },
@@ -69,7 +70,8 @@ def format_env(env: dict) -> str:
     lines = [
         f"mtp_train {env['packages']['mtp_train']}   python {env['python']}   {env['platform']}",
         "packages:   " + ", ".join(f"{k} {v}" for k, v in env["packages"].items() if k != "mtp_train"),
-        f"cpu:        {cpu['model']}, {cpu['arch']}, {cpu['cores']} cores"
+        f"cpu:        {cpu['model']}" + (f" ({cpu['generation']})" if cpu.get("generation") else "")
+        + f", {cpu['arch']}, {cpu['cores']} cores"
         + (f" (cpu family {cpu['family']}, model {cpu['model_number']})" if cpu.get("family") is not None else ""),
         f"cpu flags:  {' '.join(cpu['flags']) or '-'}; native bf16 matmul: {'yes' if cpu['native_bf16'] else 'no'}",
         f"torch cpu:  capability {cpu['torch_capability']}; {cpu['blas']}",
