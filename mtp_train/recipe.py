@@ -155,6 +155,12 @@ class PrecomputeSection(_Section):
     aux_layers: list[int] = Field(
         default_factory=list, description="decoder layers (0-based outputs) also stored, for EAGLE-3 heads"
     )
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the dtype the target's keys and values are rounded to before they are attended, as the "
+        "paged K/V cache of decode holds them, so that the stored hidden states are those the served target computes; "
+        "auto = the K/V cache dtype eval resolves (target.kv_cache_dtype: bf16 where decode reads bf16 or int8 "
+        "weights, e.g. an fp32 precompute on an AVX2-only CPU)"
+    )
 
     @field_validator("aux_layers")
     @classmethod

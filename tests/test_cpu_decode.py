@@ -289,6 +289,38 @@ def test_a_bf16_kv_cache_keeps_greedy_speculation_exact_and_logits_within_its_ro
     assert stats.accepted_tokens > 0
 
 
+@pytest.mark.parametrize("through_kernels", [True, False], ids=["kernels", "torch-attention"])
+def test_states_over_a_bf16_kv_cache_are_what_prefill_and_a_forward_without_cache_compute(ops, tiny_dir,
+                                                                                          through_kernels):
+    """Decode steps over a bf16 K/V cache attend over rounded keys and values. A prefill into that cache reads its own
+    fresh K/V as the cache holds them, and a forward without a cache given `kv_dtype` (precompute's stored states)
+    rounds them alike: both give the decode steps' hidden states up to fp32 summation order, while the unrounded
+    forward differs from them by the rounding."""
+    model = _kernel_model(tiny_dir) if through_kernels else load_model(tiny_dir, dtype="float32", device="cpu")
+    model.kv_cache_dtype = torch.bfloat16
+    ids = torch.randint(2, 96, (12,), generator=torch.Generator().manual_seed(3))
+    allocator = PageAllocator(8, page_size=4)
+
+    def cached(step: int) -> torch.Tensor:  # [12, hidden]: the sequence `step` tokens per forward over a fresh cache
+        cache, seq, rows = model.new_kv_cache(allocator), Sequence(0), []
+        for start in range(0, len(ids), step):
+            chunk = ids[start:start + step]
+            rows.append(model(chunk, BatchInfo.for_sequences([seq], [len(chunk)], allocator), cache,
+                              return_hidden=True).hidden)
+        seq.release(allocator)
+        return torch.cat(rows)
+
+    decoded = cached(1)
+    prefilled = cached(len(ids))
+    rounded = model(ids, BatchInfo.without_cache([len(ids)], kv_dtype=torch.bfloat16), return_hidden=True).hidden
+    unrounded = model(ids, BatchInfo.without_cache([len(ids)]), return_hidden=True).hidden
+    scale = decoded.abs().max()
+    order_noise = 1e-4 * scale  # fp32 summation order (the kernels: ~1e-5 of the largest state)
+    assert (prefilled - decoded).abs().max() <= order_noise
+    assert (rounded - decoded).abs().max() <= order_noise
+    assert (unrounded - decoded).abs().max() > 10 * order_noise  # the rounding is really there, and bigger
+
+
 def _verify_logits(model) -> torch.Tensor:
     """The logits of a verify of 3 tokens after a 6-token prefill (fixed random ids), on a fresh cache."""
     ids = torch.randint(2, 96, (9,), generator=torch.Generator().manual_seed(1)).tolist()

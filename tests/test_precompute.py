@@ -84,6 +84,33 @@ def test_features_match_transformers_hidden_states(tmp_path):
         assert ((sample["hidden"] - ref).abs() <= tol).all()
 
 
+def test_kv_dtype_stores_the_states_a_decode_over_a_bf16_cache_computes(tmp_path):
+    """`precompute.kv_dtype: bfloat16` on an fp32 target: the stored states are those of attention over keys and values
+    rounded as a bf16 K/V cache holds them (the served target's), recorded in the manifest; a resume under another
+    setting is refused."""
+    from mtp_train.recipe import load_recipe
+    from mtp_train.runtime.attention import BatchInfo
+    from mtp_train.runtime.loader import load_model
+
+    recipe, overrides = tiny_pipeline(tmp_path, num_conversations=16, **{"precompute.kv_dtype": "bfloat16"})
+    root = run_precompute(recipe)
+    assert load_manifest(root)["kv_dtype"] == "bfloat16"
+    model = load_model(recipe.target.path, dtype="float32", device="cpu")
+    samples = _read_samples(root)
+    worst = {"rounded": 0.0, "unrounded": 0.0}
+    for sample in list(samples.values())[:4]:
+        ids = sample["input_ids"].long()
+        for name, kv_dtype in (("rounded", torch.bfloat16), ("unrounded", None)):
+            states = model(ids, BatchInfo.without_cache([len(ids)], kv_dtype=kv_dtype), return_hidden=True).hidden
+            stored = encode_hidden(states, "bfloat16")
+            worst[name] = max(worst[name], (decode_hidden(*stored, torch.float32) - sample["hidden"]).abs().max().item())
+    assert worst["rounded"] == 0.0 < worst["unrounded"]  # the same bf16 values as the rounded forward, bit for bit
+
+    (root / "manifest.json").unlink()  # pretend it was interrupted: progress files remain
+    with pytest.raises(UserError, match="kv_dtype='bfloat16', this run 'float32'"):
+        run_precompute(load_recipe(RECIPE, overrides + ["precompute.kv_dtype=float32"]))
+
+
 @pytest.mark.slow
 def test_torchrun_two_ranks_cover_every_sample_once(tmp_path):
     recipe, overrides = tiny_pipeline(tmp_path, num_conversations=30)

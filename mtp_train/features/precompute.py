@@ -102,6 +102,36 @@ def _header(recipe, prepared, target_fp: str, world_size: int, hidden_size: int)
     }
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _feature_kv_dtype(recipe, model, device: torch.device, dist, rank: int) -> torch.dtype | None:
+    """`precompute.kv_dtype` resolved: the dtype the target's keys and values are rounded to before they are attended
+    (None: not rounded, the model's own). The stored hidden states train a head that is served over the target's
+    paged K/V cache, whose rows are rounded once as they are written (bf16 where decode reads bf16 or int8 weights: an
+    fp32 model on an AVX2-only CPU); over unrounded K/V the states differ by that rounding, and near-ties of the
+    target's argmax resolve otherwise than in serving (measured on the demo head, AMD EPYC Zen 3: τ at k = 1 1.362 over
+    a bf16 cache against 1.381 over an fp32 one, docs/tuning.md). `auto`: the cache `eval` decodes over, from the
+    precision eval resolves (decode timing included; rank 0 resolves it, every rank takes its answer)."""
+    from mtp_train.runtime.precision import TORCH_DTYPES, resolve_precision
+
+    name = recipe.precompute.kv_dtype
+    if name == "auto":
+        if rank == 0:
+            target = recipe.target
+            serving = resolve_precision(target.dtype, target.decode_dtype, device,
+                                        kv_cache_dtype=target.kv_cache_dtype)
+            name = serving.kv_cache_dtype or serving.dtype
+        if dist is not None:
+            box = [name]
+            dist.broadcast_object_list(box, src=0)
+            name = box[0]
+    model.kv_cache_dtype = TORCH_DTYPES[name]
+    held = model.kv_cache_torch_dtype  # a model whose cache keeps its own dtype (DeepSeek's latents) says so
+    return None if held == model.dtype else held
+
+
 def _check_tokenizer(recipe, prepared) -> None:
     """Refuse a target whose tokenizer is not the one that tokenized the prepared data (same hash as `prepare`)."""
     from mtp_train.data.prepared import tokenizer_fingerprint, tokenizer_mismatch
@@ -117,7 +147,8 @@ def _check_tokenizer(recipe, prepared) -> None:
 
 
 def _compare_headers(existing: dict[str, Any], current: dict[str, Any], where: Path) -> None:
-    for key in ("format_version", "storage_dtype", "hidden_size", "aux_layers", "target_argmax", "world_size"):
+    for key in ("format_version", "storage_dtype", "hidden_size", "aux_layers", "target_argmax", "world_size",
+                "kv_dtype"):
         if existing.get(key) != current.get(key):
             raise UserError(
                 f"{where}: existing cache has {key}={existing.get(key)!r}, this run {current.get(key)!r}; refusing to "
@@ -237,12 +268,17 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     model = load_model_tensor_parallel(recipe.target.path, group, dtype=precision.dtype, device=device)
     if env.rank == 0 and layout.tensor_parallel > 1:
         print(f"precompute: {describe(layout, model.config)}", flush=True)
+    kv_round = _feature_kv_dtype(recipe, model, device, dist, env.rank)
+    if env.rank == 0 and kv_round is not None:
+        print(f"precompute: keys and values rounded to {_dtype_name(kv_round)} before attention, as the K/V cache "
+              f"the target decodes over holds them (precompute.kv_dtype: {recipe.precompute.kv_dtype})", flush=True)
     num_layers = model.config.num_hidden_layers
     bad_layers = [j for j in pre.aux_layers if j >= num_layers]
     if bad_layers:
         raise UserError(f"precompute.aux_layers: {bad_layers} out of range; the target has {num_layers} layers (0-based)")
     header = _header(recipe, prepared, target_fingerprint(recipe.target.path), writer.world_size,
                      model.config.hidden_size)
+    header["kv_dtype"] = _dtype_name(kv_round or model.dtype)  # the K/V the stored states attended over
     header["tensor_parallel"] = layout.tensor_parallel  # informational: TP changes the rounding, not the layout
 
     if (root / MANIFEST_FILENAME).is_file():
@@ -311,7 +347,7 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
                 batch_lengths = [len(t) for t in ids]
                 out = model(
                     torch.cat(ids).to(device),
-                    BatchInfo.without_cache(batch_lengths, device),
+                    BatchInfo.without_cache(batch_lengths, device, kv_dtype=kv_round),
                     compute_logits=False,
                     return_hidden=True,
                     aux_layers=aux_layers,

@@ -39,6 +39,10 @@ class BatchInfo:
     # Tree batches only: per sequence [q_len_b, W_b] bool over its last W_b keys (the tree region, new tokens last):
     # True = attend. Keys before the region are the causal prefix every new token sees.
     tree_masks: list[torch.Tensor] | None = None
+    # Without a cache: the dtype keys and values are rounded to before they are attended, as a paged cache in that
+    # dtype holds them for decode (None: as computed). Precompute sets it so that the stored hidden states are those a
+    # decode over a bf16 K/V cache computes (`features/precompute.py`).
+    kv_dtype: torch.dtype | None = None
     _plans: dict = field(default_factory=dict, repr=False)  # per-backend precomputation, shared by all layers
 
     @property
@@ -65,11 +69,14 @@ class BatchInfo:
         return (self.qo_indptr[1:] - 1).long()
 
     @staticmethod
-    def without_cache(lengths: list[int], device: torch.device | str = "cpu") -> "BatchInfo":
-        """Prefill of whole sequences that attend only to themselves (nothing read from or written to a cache)."""
+    def without_cache(lengths: list[int], device: torch.device | str = "cpu",
+                      kv_dtype: torch.dtype | None = None) -> "BatchInfo":
+        """Prefill of whole sequences that attend only to themselves (nothing read from or written to a cache);
+        `kv_dtype`: keys and values rounded to it before they are attended (see the field)."""
         positions = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.long)
         qo_indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        return BatchInfo(positions=positions.to(device), q_lens=list(lengths), kv_lens=list(lengths), qo_indptr=qo_indptr)
+        return BatchInfo(positions=positions.to(device), q_lens=list(lengths), kv_lens=list(lengths), qo_indptr=qo_indptr,
+                         kv_dtype=kv_dtype)
 
     @staticmethod
     def for_sequences(
@@ -305,9 +312,10 @@ class TorchAttention(AttentionBackend):
         for b, (start, end) in enumerate(plan["rows"]):
             q_b = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n_q, head_dim]
             if layer_cache is not None and batch.kv_lens[b] == end - start:
-                # a prefill of the whole sequence: its own fresh K/V are its whole history (the same values as the
-                # cache's in the cache's dtype; unrounded where the cache is narrower, e.g. bf16 K/V)
-                k_b, v_b = k[start:end], v[start:end]
+                # a prefill of the whole sequence: its own fresh K/V are its whole history, read as the cache holds
+                # them (rounded where the cache is narrower, e.g. bf16 K/V), so that the prompt's states are those
+                # decode steps over the same cache compute
+                k_b, v_b = k[start:end].to(k_flat.dtype), v[start:end].to(v_flat.dtype)
             elif layer_cache is not None:
                 slots = plan["kv_slots"][b]
                 if isinstance(slots, slice):
@@ -316,6 +324,8 @@ class TorchAttention(AttentionBackend):
                     k_b, v_b = k_flat.index_select(0, slots), v_flat.index_select(0, slots)
             else:
                 k_b, v_b = k[start:end], v[start:end]
+                if batch.kv_dtype is not None:  # as a cache in that dtype would hold them
+                    k_b, v_b = k_b.to(batch.kv_dtype), v_b.to(batch.kv_dtype)
             k_b = k_b.to(q.dtype).transpose(0, 1).unsqueeze(0)  # a cache may hold another dtype (bf16 K/V)
             v_b = v_b.to(q.dtype).transpose(0, 1).unsqueeze(0)
             mask = plan["masks"][b]

@@ -193,6 +193,8 @@ class MLAttention(nn.Module):
                 seq_latent = seq_latent.to(latent.dtype)
             else:
                 seq_latent = latent[start:end]
+                if batch.kv_dtype is not None:  # as a cache in that dtype would hold the latents
+                    seq_latent = seq_latent.to(batch.kv_dtype).to(latent.dtype)
             kv_len = seq_latent.shape[0]
             mask = "causal" if not plan["uniform"] and isinstance(plan["masks"][b], str) else \
                 _sequence_mask(plan, b, end - start, kv_len, query.device)
@@ -335,9 +337,15 @@ class DeepseekForCausalLM(CausalLM):
     # checkpoint tensors the loader keeps in fp32 whatever the model's dtype (suffixes): the router's
     FP32_TENSORS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The latent cache keeps the model's dtype (`kv_cache_dtype` is not applied to it)."""
+        return self.dtype
+
     def new_kv_cache(self, allocator: PageAllocator) -> LatentCache:
         c = self.config
-        return LatentCache(allocator, c.num_hidden_layers, _options(c).latent_dim, self.dtype, self.device)
+        return LatentCache(allocator, c.num_hidden_layers, _options(c).latent_dim, self.kv_cache_torch_dtype,
+                           self.device)
 
     def prefill_flops(self, lengths: list[int], logits_rows: int = 0) -> float:
         """As `CausalLM.prefill_flops`, counting the weights a token meets (its top-k and the shared experts, not

@@ -250,12 +250,17 @@ class CausalLM(nn.Module):
         return float(c.num_hidden_layers * (2 * layer_params * tokens + attention)
                      + 2 * c.hidden_size * c.vocab_size * logits_rows)
 
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The dtype `new_kv_cache` holds keys and values in: `kv_cache_dtype` (set by the loader from
+        `Precision.kv_cache_dtype`), else the model's dtype."""
+        return self.kv_cache_dtype or self.dtype
+
     def new_kv_cache(self, allocator: PageAllocator) -> KVCache:
-        """The paged K/V cache, in `kv_cache_dtype` (set by the loader from `Precision.kv_cache_dtype`; else the
-        model's dtype)."""
+        """The paged K/V cache, in `kv_cache_torch_dtype`."""
         c = self.config
-        return KVCache(allocator, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                       self.kv_cache_dtype or self.dtype, self.device)
+        return KVCache(allocator, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv_cache_torch_dtype,
+                       self.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] post-norm states -> [n, vocab] fp32 logits."""
