@@ -111,6 +111,26 @@ def test_kv_dtype_stores_the_states_a_decode_over_a_bf16_cache_computes(tmp_path
         run_precompute(load_recipe(RECIPE, overrides + ["precompute.kv_dtype=float32"]))
 
 
+@pytest.mark.parametrize("bf16_decode_wins", [True, False])
+def test_kv_dtype_auto_follows_the_k_v_cache_eval_decodes_over(tmp_path, monkeypatch, bf16_decode_wins):
+    """`precompute.kv_dtype: auto` with `target.dtype: auto` on an AVX2-only CPU: precompute runs the fp32 target and
+    rounds keys and values to bf16 when decode (timed, as eval times it) reads bf16 weights, so a bf16 K/V cache; an
+    fp32 decode keeps them unrounded."""
+    from mtp_train.recipe import load_recipe
+    from mtp_train.runtime import precision
+    from mtp_train.runtime.hardware import CpuFacts
+
+    avx2 = CpuFacts("AMD EPYC (Zen 3)", "x86_64", frozenset({"avx", "avx2", "fma", "f16c"}), "AVX2", 2)
+    monkeypatch.setattr(precision, "cpu_facts", lambda: avx2)
+    bf16_ms = 1e-3 if bf16_decode_wins else 4e-3
+    monkeypatch.setattr(precision, "decode_probe", lambda *a, **k: {rows: {"float32": 2e-3, "bfloat16": bf16_ms}
+                                                                    for rows in precision.PROBE_ROWS})
+    _, overrides = tiny_pipeline(tmp_path, num_conversations=12)
+    recipe = load_recipe(RECIPE, overrides + ["target.dtype=auto"])
+    manifest = load_manifest(run_precompute(recipe))
+    assert manifest["kv_dtype"] == ("bfloat16" if bf16_decode_wins else "float32")
+
+
 @pytest.mark.slow
 def test_torchrun_two_ranks_cover_every_sample_once(tmp_path):
     recipe, overrides = tiny_pipeline(tmp_path, num_conversations=30)

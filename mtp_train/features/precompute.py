@@ -106,20 +106,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _feature_kv_dtype(recipe, model, device: torch.device, dist, rank: int) -> torch.dtype | None:
+def _feature_kv_dtype(name: str, target, model, device: torch.device, dist, rank: int) -> torch.dtype | None:
     """`precompute.kv_dtype` resolved: the dtype the target's keys and values are rounded to before they are attended
     (None: not rounded, the model's own). The stored hidden states train a head that is served over the target's
     paged K/V cache, whose rows are rounded once as they are written (bf16 where decode reads bf16 or int8 weights: an
     fp32 model on an AVX2-only CPU); over unrounded K/V the states differ by that rounding, and near-ties of the
     target's argmax resolve otherwise than in serving (measured on the demo head, AMD EPYC Zen 3: τ at k = 1 1.362 over
     a bf16 cache against 1.381 over an fp32 one, docs/tuning.md). `auto`: the cache `eval` decodes over, from the
-    precision eval resolves (decode timing included; rank 0 resolves it, every rank takes its answer)."""
+    precision eval resolves from the recipe's `target` section as written (decode timing included; rank 0 resolves
+    it, every rank takes its answer)."""
     from mtp_train.runtime.precision import TORCH_DTYPES, resolve_precision
 
-    name = recipe.precompute.kv_dtype
     if name == "auto":
         if rank == 0:
-            target = recipe.target
             serving = resolve_precision(target.dtype, target.decode_dtype, device,
                                         kv_cache_dtype=target.kv_cache_dtype)
             name = serving.kv_cache_dtype or serving.dtype
@@ -262,13 +261,14 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     if device.type == "cuda":
         device = torch.device(f"cuda:{env.local_rank}")
     precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
+    requested_target = recipe.target  # as the recipe sets it: `eval` resolves the served target's cache from these
     recipe = with_precision(recipe, precision.dtype, precision.decode_dtype)
     if env.rank == 0:
         print(f"precompute: {precision.describe('prefill')}", flush=True)
     model = load_model_tensor_parallel(recipe.target.path, group, dtype=precision.dtype, device=device)
     if env.rank == 0 and layout.tensor_parallel > 1:
         print(f"precompute: {describe(layout, model.config)}", flush=True)
-    kv_round = _feature_kv_dtype(recipe, model, device, dist, env.rank)
+    kv_round = _feature_kv_dtype(recipe.precompute.kv_dtype, requested_target, model, device, dist, env.rank)
     if env.rank == 0 and kv_round is not None:
         print(f"precompute: keys and values rounded to {_dtype_name(kv_round)} before attention, as the K/V cache "
               f"the target decodes over holds them (precompute.kv_dtype: {recipe.precompute.kv_dtype})", flush=True)
