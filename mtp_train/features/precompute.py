@@ -111,8 +111,8 @@ def _feature_kv_dtype(name: str, target, model, device: torch.device, dist, rank
     (None: not rounded, the model's own). The stored hidden states train a head that is served over the target's
     paged K/V cache, whose rows are rounded once as they are written (bf16 where decode reads bf16 or int8 weights: an
     fp32 model on an AVX2-only CPU); over unrounded K/V the states differ by that rounding, and near-ties of the
-    target's argmax resolve otherwise than in serving (measured on the demo head, AMD EPYC Zen 3: τ at k = 1 1.362 over
-    a bf16 cache against 1.381 over an fp32 one, docs/tuning.md). `auto`: the cache `eval` decodes over, from the
+    target's argmax resolve otherwise than in serving (SmolLM2 on the demo's data: 0.17% of positions, docs/tuning.md
+    session 15). `auto`: the cache `eval` decodes over, from the
     precision eval resolves from the recipe's `target` section as written (decode timing included; rank 0 resolves
     it, every rank takes its answer)."""
     from mtp_train.runtime.precision import TORCH_DTYPES, resolve_precision
