@@ -93,9 +93,10 @@ def auto_model(smollm2_dir):
 
 
 def test_auto_dtype_parity_with_transformers(real, auto_model):
-    """Prefill in the auto compute dtype matches transformers fp32 like the fp32 runtime does; decode and verify
-    on auto's decode weights stay within bf16 rounding of it and pick the same token wherever transformers' top two
-    logits are not a near-tie."""
+    """Prefill in the auto compute dtype matches transformers fp32 like the fp32 runtime does, up to the K/V cache's
+    rounding where auto holds it in bf16 (a prompt reads its own keys and values as the cache holds them, as its decode
+    steps do); decode and verify on auto's decode weights stay within bf16 rounding of it and pick the same token
+    wherever transformers' top two logits are not a near-tie."""
     import mtp_train.runtime.cpu_decode as cpu_decode
 
     model, precision = auto_model
@@ -109,7 +110,10 @@ def test_auto_dtype_parity_with_transformers(real, auto_model):
         # lm_head's at any count) read bf16 copies where the CPU has native bf16 (cpu_decode.ManyRowLinear).
         many_rows_bf16 = precision.split and precision.decode_dtype == "bfloat16" and cpu_decode._native_bf16()
         if precision.dtype == "float32" and split > precision.decode_max_rows and not many_rows_bf16:
-            assert (ours[:split] - ref[:split]).abs().max() <= TOL  # many rows: the fp32 weights
+            # many rows: the fp32 weights, over K/V rounded to a bf16 cache where auto chose one (measured on a Zen
+            # 3: 0.17 of logits up to ~25, 0.7%)
+            kv_rounded = model.kv_cache_torch_dtype != torch.float32
+            assert (ours[:split] - ref[:split]).abs().max() <= (bf16_tol if kv_rounded else TOL)
         elif precision.dtype == "float32" and many_rows_bf16:
             assert (ours[:split] - ref[:split]).abs().max() <= bf16_tol
         elif precision.dtype == "bfloat16":  # a CPU with native bf16 whose decode probe chose torch's bf16 path:
