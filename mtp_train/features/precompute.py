@@ -463,7 +463,8 @@ def _summary(manifest: dict[str, Any]) -> str:
         f"{split}: {info['num_samples']} samples, {info['num_tokens']} tokens, {len(info['shards'])} shards"
         for split, info in manifest["splits"].items()
     ]
-    return "; ".join(parts) + f"; {manifest['storage_dtype']}, {manifest.get('bytes_per_token')} bytes/token"
+    kv = f", states over {manifest['kv_dtype']} K/V" if manifest.get("kv_dtype") else ""
+    return "; ".join(parts) + f"; {manifest['storage_dtype']}, {manifest.get('bytes_per_token')} bytes/token{kv}"
 
 
 def _init_distributed(env: DistEnv):
