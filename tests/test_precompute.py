@@ -118,10 +118,9 @@ def test_kv_dtype_auto_follows_the_k_v_cache_eval_decodes_over(tmp_path, monkeyp
     fp32 decode keeps them unrounded."""
     from mtp_train.recipe import load_recipe
     from mtp_train.runtime import precision
-    from mtp_train.runtime.hardware import CpuFacts
+    from tests.test_precision import AVX2
 
-    avx2 = CpuFacts("AMD EPYC (Zen 3)", "x86_64", frozenset({"avx", "avx2", "fma", "f16c"}), "AVX2", 2)
-    monkeypatch.setattr(precision, "cpu_facts", lambda: avx2)
+    monkeypatch.setattr(precision, "cpu_facts", lambda: AVX2)
     bf16_ms = 1e-3 if bf16_decode_wins else 4e-3
     monkeypatch.setattr(precision, "decode_probe", lambda *a, **k: {rows: {"float32": 2e-3, "bfloat16": bf16_ms}
                                                                     for rows in precision.PROBE_ROWS})

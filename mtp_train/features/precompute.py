@@ -106,15 +106,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _feature_kv_dtype(name: str, target, model, device: torch.device, dist, rank: int) -> torch.dtype | None:
-    """`precompute.kv_dtype` resolved: the dtype the target's keys and values are rounded to before they are attended
-    (None: not rounded, the model's own). The stored hidden states train a head that is served over the target's
-    paged K/V cache, whose rows are rounded once as they are written (bf16 where decode reads bf16 or int8 weights: an
-    fp32 model on an AVX2-only CPU); over unrounded K/V the states differ by that rounding, and near-ties of the
-    target's argmax resolve otherwise than in serving (SmolLM2 on the demo's data: 0.17% of positions, docs/tuning.md
-    session 15). `auto`: the cache `eval` decodes over, from the
-    precision eval resolves from the recipe's `target` section as written (decode timing included; rank 0 resolves
-    it, every rank takes its answer)."""
+def _feature_kv_dtype(name: str, target, device: torch.device, dist, rank: int) -> torch.dtype:
+    """`precompute.kv_dtype` resolved: the dtype of the K/V cache the stored states are computed as if over. The
+    stored hidden states train a head that is served over the target's paged K/V cache, whose rows are rounded once as
+    they are written (bf16 where decode reads bf16 or int8 weights: an fp32 model on an AVX2-only CPU); over unrounded
+    K/V the states differ by that rounding, and near-ties of the target's argmax resolve otherwise than in serving
+    (SmolLM2 on the demo's data: 0.17% of positions, docs/tuning.md session 15). `auto`: the cache `eval` decodes
+    over, from the precision eval resolves from the recipe's `target` section as written (decode timing included;
+    rank 0 resolves it, every rank takes its answer)."""
     from mtp_train.runtime.precision import TORCH_DTYPES, resolve_precision
 
     if name == "auto":
@@ -126,9 +125,7 @@ def _feature_kv_dtype(name: str, target, model, device: torch.device, dist, rank
             box = [name]
             dist.broadcast_object_list(box, src=0)
             name = box[0]
-    model.kv_cache_dtype = TORCH_DTYPES[name]
-    held = model.kv_cache_torch_dtype  # a model whose cache keeps its own dtype (DeepSeek's latents) says so
-    return None if held == model.dtype else held
+    return TORCH_DTYPES[name]
 
 
 def _check_tokenizer(recipe, prepared) -> None:
@@ -268,7 +265,10 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     model = load_model_tensor_parallel(recipe.target.path, group, dtype=precision.dtype, device=device)
     if env.rank == 0 and layout.tensor_parallel > 1:
         print(f"precompute: {describe(layout, model.config)}", flush=True)
-    kv_round = _feature_kv_dtype(recipe.precompute.kv_dtype, requested_target, model, device, dist, env.rank)
+    model.kv_cache_dtype = _feature_kv_dtype(recipe.precompute.kv_dtype, requested_target, device, dist, env.rank)
+    # Rounded where the cache is narrower than the compute dtype (a model whose cache keeps its own dtype, DeepSeek's
+    # latents, says so through `kv_cache_torch_dtype`: never rounded).
+    kv_round = model.kv_cache_torch_dtype if model.kv_cache_torch_dtype != model.dtype else None
     if env.rank == 0 and kv_round is not None:
         print(f"precompute: keys and values rounded to {_dtype_name(kv_round)} before attention, as the K/V cache "
               f"the target decodes over holds them (precompute.kv_dtype: {recipe.precompute.kv_dtype})", flush=True)

@@ -40,8 +40,9 @@ class BatchInfo:
     # True = attend. Keys before the region are the causal prefix every new token sees.
     tree_masks: list[torch.Tensor] | None = None
     # Without a cache: the dtype keys and values are rounded to before they are attended, as a paged cache in that
-    # dtype holds them for decode (None: as computed). Precompute sets it so that the stored hidden states are those a
-    # decode over a bf16 K/V cache computes (`features/precompute.py`).
+    # dtype holds them for decode (None: as computed; the torch attention honours it). Precompute sets it so that the
+    # stored hidden states are those a decode over a bf16 K/V cache computes (`features/precompute.py`); never for a
+    # DeepSeek target, whose latent cache keeps the model's dtype.
     kv_dtype: torch.dtype | None = None
     _plans: dict = field(default_factory=dict, repr=False)  # per-backend precomputation, shared by all layers
 

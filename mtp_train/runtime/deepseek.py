@@ -193,8 +193,6 @@ class MLAttention(nn.Module):
                 seq_latent = seq_latent.to(latent.dtype)
             else:
                 seq_latent = latent[start:end]
-                if batch.kv_dtype is not None:  # as a cache in that dtype would hold the latents
-                    seq_latent = seq_latent.to(batch.kv_dtype).to(latent.dtype)
             kv_len = seq_latent.shape[0]
             mask = "causal" if not plan["uniform"] and isinstance(plan["masks"][b], str) else \
                 _sequence_mask(plan, b, end - start, kv_len, query.device)
