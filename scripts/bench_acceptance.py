@@ -106,7 +106,7 @@ def heldout_prompts(tokenizer, data_dir: Path, limit: int) -> list[list[int]]:
 
 
 def main() -> None:
-    from bench_spec import add_run_arguments, load_head, mt_bench_chat_prompts
+    from bench_spec import add_run_arguments, load_auto_run, mt_bench_chat_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, new_tokens=96)
@@ -128,25 +128,14 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from mtp_train.assets import ensure_default_model
-    from mtp_train.runtime.chat import stop_token_ids
     from mtp_train.runtime.generate import generate
     from mtp_train.runtime.hardware import machine_fields
-    from mtp_train.runtime.loader import load_model, load_tokenizer
-    from mtp_train.runtime.precision import apply_head_decode_weights, resolve_precision
     from mtp_train.runtime.spec import speculative_generate
     from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
 
-    target_dir = Path(args.target) if args.target else ensure_default_model()
-    precision = resolve_precision("auto", "auto", "cpu")
-    target = load_model(target_dir, device="cpu", precision=precision)
-    head = load_head(args.head, target)
-    head_weights = apply_head_decode_weights(head, precision, "auto")
-    trained = Path(args.head).is_dir()
-    print(f"target: {precision.describe()}; head draft weights {head_weights}"
-          f"{'' if trained else ' (untrained head: ' + args.head + ' not found; its own acceptance is ~0)'}")
-    tokenizer = load_tokenizer(target_dir)
-    stops = stop_token_ids(tokenizer, target.config)
+    run = load_auto_run(args)  # an untrained head (--head not found) accepts ~nothing of its own
+    precision, target, head, head_weights = run.precision, run.target, run.head, run.head_weights
+    tokenizer, stops, trained = run.tokenizer, run.stop_token_ids, run.trained
     if args.heldout is not None:
         prompts, source = heldout_prompts(tokenizer, args.heldout, args.num_prompts), f"held-out split of {args.heldout}"
     else:

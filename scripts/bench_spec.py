@@ -287,6 +287,39 @@ def _spec(outcome):
     return len(results[0].token_ids), stats
 
 
+@dataclass
+class AutoRun:
+    """What the speculative benchmarks run on: the target on the `auto` path, its head, tokenizer and stop tokens."""
+
+    precision: object
+    target: object
+    head: object
+    head_weights: str  # the weights the head's draft steps read (`apply_head_decode_weights`)
+    trained: bool  # False: `--head` was not found and the head is untrained (same shapes and cost)
+    tokenizer: object
+    stop_token_ids: tuple[int, ...]
+
+
+def load_auto_run(args) -> AutoRun:
+    """`--target` (default: the fetched SmolLM2) on the `auto` path and `--head` over it with its `auto` draft
+    weights; prints what was loaded."""
+    from mtp_train.assets import ensure_default_model
+    from mtp_train.runtime.chat import stop_token_ids
+    from mtp_train.runtime.loader import load_model, load_tokenizer
+    from mtp_train.runtime.precision import apply_head_decode_weights, resolve_precision
+
+    target_dir = Path(args.target) if args.target else ensure_default_model()
+    precision = resolve_precision("auto", "auto", "cpu")
+    target = load_model(target_dir, device="cpu", precision=precision)
+    head = load_head(args.head, target)
+    head_weights = apply_head_decode_weights(head, precision, "auto")
+    trained = Path(args.head).is_dir()
+    print(f"target: {precision.describe()}; head draft weights {head_weights}"
+          f"{'' if trained else ' (untrained head: ' + args.head + ' not found)'}")
+    tokenizer = load_tokenizer(target_dir)
+    return AutoRun(precision, target, head, head_weights, trained, tokenizer, stop_token_ids(tokenizer, target.config))
+
+
 def add_run_arguments(parser: argparse.ArgumentParser, new_tokens: int) -> None:
     """The options the speculative benchmarks share: target, head, MT-bench prompts, how many, new tokens."""
     parser.add_argument("--target", default=None, help="model dir (default: fetched SmolLM2)")

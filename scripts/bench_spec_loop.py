@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -84,7 +83,7 @@ def without_fused_head(head, run):
 
 
 def main() -> None:
-    from bench_spec import add_run_arguments, load_head, mt_bench_chat_prompts
+    from bench_spec import add_run_arguments, load_auto_run, mt_bench_chat_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, new_tokens=96)
@@ -98,27 +97,17 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from mtp_train.assets import ensure_default_model
     from mtp_train.runtime.attention import BatchInfo
-    from mtp_train.runtime.chat import stop_token_ids
     from mtp_train.runtime.generate import generate
     from mtp_train.runtime.hardware import machine_fields
     from mtp_train.runtime.kv_cache import PageAllocator, Sequence
-    from mtp_train.runtime.loader import load_model, load_tokenizer
-    from mtp_train.runtime.precision import apply_head_decode_weights, resolve_precision
     from mtp_train.runtime.spec import PromptLookup, speculative_generate
     from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
     from mtp_train.runtime.spec.prompt_lookup import PromptLookupProposer
 
-    target_dir = Path(args.target) if args.target else ensure_default_model()
-    precision = resolve_precision("auto", "auto", "cpu")
-    target = load_model(target_dir, device="cpu", precision=precision)
-    head = load_head(args.head, target)
-    head_weights = apply_head_decode_weights(head, precision, "auto")
-    print(f"target: {precision.describe()}; head draft weights {head_weights}"
-          f"{'' if Path(args.head).is_dir() else ' (untrained head: ' + args.head + ' not found)'}")
-    tokenizer = load_tokenizer(target_dir)
-    stops = stop_token_ids(tokenizer, target.config)
+    run = load_auto_run(args)
+    precision, target, head, head_weights = run.precision, run.target, run.head, run.head_weights
+    tokenizer, stops = run.tokenizer, run.stop_token_ids
     prompts = mt_bench_chat_prompts(tokenizer, args.prompts, args.num_prompts)
     if not prompts:
         raise SystemExit(f"no prompts in {args.prompts}")
