@@ -31,7 +31,9 @@ demo: assets
 	$(BIN)/mtp-train generate --prompt "What is the capital of France?"
 	$(BIN)/python scripts/demo.py $(DEMO_ARGS)
 
-# pytest exits 5 when it collected no test: that is a failure here (make stops on any non-zero exit).
+# pytest exits 5 when it collected no test: that is a failure here (make stops on any non-zero exit). The tests whose
+# expectations depend on the CPU (marker cpu_paths) run again as every other CPU kind this machine can run as
+# (MTP_TRAIN_CPU_AS=avx2 on an AVX-512 machine; tests/test_cpu_kinds.py), and the skip lines say which kinds it cannot.
 test: setup assets
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/python -m pytest -q --timeout=900 $(PYTEST_ARGS)
 

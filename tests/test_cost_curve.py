@@ -13,6 +13,8 @@ from mtp_train.runtime.spec.costs import (
     measure_cost_curves,
 )
 
+pytestmark = pytest.mark.cpu_paths  # its expectations depend on the CPU: rerun as other kinds (tests/test_cpu_kinds.py)
+
 # verify of 2 / 3 / 4 tokens costs 1.1 / 1.2 / 1.5 decode steps, a draft step 0.1 of one.
 CURVE = CostCurve(decode_s=0.05, verify_over_decode={2: 1.1, 3: 1.2, 4: 1.5}, draft_step_over_decode=0.1,
                   prompt_tokens=200)

@@ -24,6 +24,8 @@ from mtp_train.runtime.loader import load_model
 from tests.spec_helpers import make_prompts, node_path, run_and_compare
 from tests.tiny_models import save_tiny_model
 
+pytestmark = pytest.mark.cpu_paths  # its expectations depend on the CPU: rerun as other kinds (tests/test_cpu_kinds.py)
+
 
 @pytest.fixture(scope="module")
 def ops():

@@ -18,7 +18,7 @@ PACKAGE_DIR = Path(mtp_train.__file__).parent
 
 # Layer of each top-level part of the package (a subpackage or a module), lowest first.
 LAYERS: dict[str, int] = {
-    "__init__": 0, "__main__": 8, "errors": 0, "fileio": 0, "fingerprint": 0,
+    "__init__": 0, "__main__": 8, "errors": 0, "fileio": 0, "fingerprint": 0, "cpu_kinds": 0,
     "runtime": 1,
     "heads": 2,
     "recipe": 3, "data": 3, "features": 3, "assets": 3,

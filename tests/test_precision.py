@@ -20,6 +20,8 @@ from mtp_train.runtime.precision import (
     resolve_precision,
 )
 
+pytestmark = pytest.mark.cpu_paths  # its expectations depend on the CPU: rerun as other kinds (tests/test_cpu_kinds.py)
+
 AVX2 = CpuFacts("AMD EPYC (Zen 3)", "x86_64", frozenset({"avx", "avx2", "fma", "f16c"}), "AVX2", 2)
 AVX512_BF16 = CpuFacts("Intel Xeon (Cooper Lake)", "x86_64", frozenset({"avx2", "avx512f", "avx512_bf16"}), "AVX512", 2)
 AMX = CpuFacts("Intel Xeon (Sapphire Rapids)", "x86_64", frozenset({"avx2", "avx512f", "amx_tile", "amx_bf16"}),

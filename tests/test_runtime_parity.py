@@ -16,6 +16,8 @@ from mtp_train.runtime.loader import load_model
 from tests.paged_checks import check_decode_token_by_token, check_ragged_verify, check_verify_batch
 from tests.tiny_models import save_tiny_model
 
+pytestmark = pytest.mark.cpu_paths  # its expectations depend on the CPU: rerun as other kinds (tests/test_cpu_kinds.py)
+
 TOL = 1e-4
 
 ARCHS = {

@@ -11,7 +11,7 @@ from mtp_train.runtime.generate import generate
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model, load_tokenizer
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.cpu_paths]
 
 PROMPTS = [
     "What is the capital of France?",
@@ -103,9 +103,13 @@ def test_auto_dtype_parity_with_transformers(real, auto_model):
     _, hf, prompts = real
     for ref, ours in _paged_logits(model, hf, prompts[:3]):
         split = ref.shape[0] - 8
-        # bf16 weights and matmul outputs keep 8 significant bits: the logits (up to ~25 here) round in steps of
-        # up to 1/8, and 30 layers add to that; 2% of the largest logit bounds it (measured: 1.5%).
+        # bf16 weights with fp32 activations and accumulation (the decode kernels' AVX2 build; the fp32 prefill over
+        # a bf16 K/V cache): the logits (up to ~38 here) round in steps of up to 1/8, and 30 layers add to that; 2%
+        # of the largest logit bounds it (measured: 1.5%; the prefill over the bf16 cache 0.7%).
         bf16_tol = 0.02 * float(ref.abs().max())
+        # GEMM inputs rounded to bf16, weights and activations alike (fp32 accumulation): a bf16 model's roundings.
+        # A bf16 model, its residual stream in bf16 too, measures 3.4-3.5% of the largest logit; 3x the budget above.
+        bf16_gemm_tol = 3 * bf16_tol
         # Rows above the decode rows on the decode path (the layers' GEMMs up to MAX_QUERY_PER_SEQUENCE tokens, the
         # lm_head's at any count) read bf16 copies where the CPU has native bf16 (cpu_decode.ManyRowLinear).
         many_rows_bf16 = precision.split and precision.decode_dtype == "bfloat16" and cpu_decode._native_bf16()
@@ -115,10 +119,14 @@ def test_auto_dtype_parity_with_transformers(real, auto_model):
             kv_rounded = model.kv_cache_torch_dtype != torch.float32
             assert (ours[:split] - ref[:split]).abs().max() <= (bf16_tol if kv_rounded else TOL)
         elif precision.dtype == "float32" and many_rows_bf16:
-            assert (ours[:split] - ref[:split]).abs().max() <= bf16_tol
+            # a prefill on a native-bf16 CPU: bf16 GEMMs on bf16 weight copies, over keys/values read from the bf16
+            # cache; only the residual stream, norms and attention stay fp32, so it rounds less than a bf16 model
+            # (scripts/compare_precision.py over the demo's held-out split: max 2.85% of the largest logit, mean
+            # |error| 0.061, argmax agreement 98.5%, against a bf16 model's 3.4%, 0.114, 98.0%). Here: 2.6% on an
+            # Intel Xeon with AMX, 3.1% on a Zen 4 (docs/tuning.md, "Precision paths per CPU kind").
+            assert (ours[:split] - ref[:split]).abs().max() <= bf16_gemm_tol
         elif precision.dtype == "bfloat16":  # a CPU with native bf16 whose decode probe chose torch's bf16 path:
-            bf16_tol *= 3  # bf16 activations too, not only weights (measured: 3.5% of the largest logit)
-            assert (ours[:split] - ref[:split]).abs().max() <= bf16_tol
+            assert (ours[:split] - ref[:split]).abs().max() <= bf16_gemm_tol  # (measured: 3.5% of the largest logit)
         decoded, expected = ours[split:], ref[split:]
         decode_tol = TOL if precision.decode_dtype == "float32" else bf16_tol
         assert (decoded - expected).abs().max() <= decode_tol

@@ -32,6 +32,8 @@ from tests.spec_helpers import (
     run_and_compare,
 )
 
+pytestmark = pytest.mark.cpu_paths  # its expectations depend on the CPU: rerun as other kinds (tests/test_cpu_kinds.py)
+
 SHAPES = ["1x1x1", "3x1x3", "3x2x6", "4x3x12", "2x4x20"]
 
 

@@ -47,7 +47,7 @@ def collect_env(measure: bool = True, reprobe: bool = False) -> dict:
             "model": facts.model, "generation": facts.generation, "family": facts.family,
             "model_number": facts.model_number,
             "arch": facts.arch, "cores": facts.cores, "flags": facts.reported_flags(), "native_bf16": facts.native_bf16,
-            "torch_capability": facts.capability, "blas": blas_summary(),
+            "torch_capability": facts.capability, "blas": blas_summary(), "run_as": facts.forced_kind,
         },
         "threads": {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
         "cuda": [{"index": d.index, "name": d.name, "memory_gib": round(d.memory_gib, 1),
@@ -66,6 +66,8 @@ def collect_env(measure: bool = True, reprobe: bool = False) -> dict:
 
 
 def format_env(env: dict) -> str:
+    from mtp_train.cpu_kinds import run_as_note
+
     cpu, auto = env["cpu"], env["auto"]
     lines = [
         f"mtp_train {env['packages']['mtp_train']}   python {env['python']}   {env['platform']}",
@@ -74,6 +76,7 @@ def format_env(env: dict) -> str:
         + f", {cpu['arch']}, {cpu['cores']} cores"
         + (f" (cpu family {cpu['family']}, model {cpu['model_number']})" if cpu.get("family") is not None else ""),
         f"cpu flags:  {' '.join(cpu['flags']) or '-'}; native bf16 matmul: {'yes' if cpu['native_bf16'] else 'no'}",
+        *([f"            {run_as_note(cpu['run_as'])}: the flags above are narrowed to it"] if cpu.get("run_as") else []),
         f"torch cpu:  capability {cpu['torch_capability']}; {cpu['blas']}",
         f"threads:    torch {env['threads']['torch']} (OMP_NUM_THREADS={env['threads']['OMP_NUM_THREADS'] or 'unset'})",
         "cuda:       " + ("; ".join(f"{d['index']}: {d['name']}, {d['memory_gib']} GiB, sm {d['capability']}, "

@@ -1,7 +1,8 @@
 """What the machine really has: CPU model and the flags that decide matmul speed, CUDA devices, and two measured
 ceilings (matmul GFLOP/s per dtype, memory read bandwidth) that every stage's speed is judged by.
 
-`CpuFacts` is read once per process from /proc/cpuinfo and torch; `measure_*` time small kernels for a fraction of a
+`CpuFacts` is read once per process from /proc/cpuinfo and torch, narrowed to another CPU kind where
+`MTP_TRAIN_CPU_AS` names one (`cpu_kinds.py`); `measure_*` time small kernels for a fraction of a
 second (`mtp-train env`, the dtype probe of `precision.py`, the fraction-of-peak figures of precompute and training).
 """
 
@@ -10,10 +11,13 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import torch
+
+from mtp_train.errors import UserError
+from mtp_train.cpu_kinds import CPU_KIND_ENV, forced_cpu_kind, run_as_note
 
 # Flags that give a CPU native bf16 matmul (oneDNN then runs bf16 GEMMs at or above fp32 speed).
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -31,6 +35,7 @@ class CpuFacts:
     cores: int = 1
     family: int | None = None  # x86 /proc/cpuinfo `cpu family` and `model` (a VM's model name may say only
     model_number: int | None = None  # "AMD EPYC": these tell a Zen 3 from a Zen 4)
+    forced_kind: str | None = None  # the `CpuKind` this CPU runs as (`MTP_TRAIN_CPU_AS`), None: as itself
 
     @property
     def generation(self) -> str | None:
@@ -46,9 +51,10 @@ class CpuFacts:
         return "" if detail in self.model else detail
 
     def describe(self) -> str:
-        """The model name with `detail()`, e.g. `AMD EPYC (Zen 3)`."""
+        """The model name with `detail()`, e.g. `AMD EPYC (Zen 3)`, and the kind it runs as where forced."""
         detail = self.detail()
-        return f"{self.model} ({detail})" if detail else self.model
+        text = f"{self.model} ({detail})" if detail else self.model
+        return f"{text}, {run_as_note(self.forced_kind)}" if self.forced_kind else text
 
     @property
     def native_bf16(self) -> bool:
@@ -108,8 +114,7 @@ def _read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str], int
     return model, flags, family, model_number
 
 
-@lru_cache(maxsize=1)
-def cpu_facts() -> CpuFacts:
+def _host_facts() -> CpuFacts:
     model, flags, family, model_number = _read_cpuinfo()
     try:
         capability = torch.backends.cpu.get_cpu_capability()
@@ -118,6 +123,24 @@ def cpu_facts() -> CpuFacts:
     return CpuFacts(model=model or platform.processor() or "unknown", arch=platform.machine().lower(),
                     flags=flags, capability=capability, cores=os.cpu_count() or 1, family=family,
                     model_number=model_number)
+
+
+@lru_cache(maxsize=1)
+def cpu_facts() -> CpuFacts:
+    """This CPU's facts, narrowed to the kind `MTP_TRAIN_CPU_AS` names (refused where the CPU lacks that kind's
+    flags: a CPU can only run as one with fewer instructions)."""
+    facts = _host_facts()
+    try:
+        kind = forced_cpu_kind()
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if kind is None:
+        return facts
+    missing = sorted(kind.needs - facts.flags) if facts.is_x86 else sorted(kind.needs)
+    if missing:
+        raise UserError(f"{CPU_KIND_ENV}={kind.name}: this CPU ({facts.describe()}) lacks {', '.join(missing)}, so it "
+                        f"cannot run as an {kind.example}")
+    return replace(facts, flags=kind.narrow(facts.flags), forced_kind=kind.name)
 
 
 @dataclass(frozen=True)
@@ -207,6 +230,8 @@ def machine_fields(compute_dtype: str) -> str:
     if facts.generation:
         fields.append(f"cpu_generation={facts.generation.replace(' ', '_')}")
     fields.append(f"native_bf16={int(facts.native_bf16)}")
+    if facts.forced_kind:
+        fields.append(f"cpu_as={facts.forced_kind}")
     if torch.cuda.is_available():
         fields.append(f"cuda={torch.cuda.get_device_name(0).replace(' ', '_')}")
     fields.append(f"compute_dtype={compute_dtype}")
@@ -219,4 +244,5 @@ def machine_name(device: torch.device | None = None) -> str:
         return f"cuda:{torch.cuda.get_device_name(device)}"
     facts = cpu_facts()
     detail = facts.detail()
-    return f"{facts.capability} ({facts.model}{', ' + detail if detail else ''})"
+    forced = f", as {facts.forced_kind}" if facts.forced_kind else ""
+    return f"{facts.capability} ({facts.model}{', ' + detail if detail else ''}{forced})"
