@@ -106,7 +106,7 @@ def _host_kind_status(kind: str) -> str | None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(CPU_KINDS))
-def test_the_cpu_dependent_tests_pass_as_every_other_cpu_kind(kind):
+def test_the_cpu_dependent_tests_pass_as_every_other_cpu_kind(kind, capsys):
     """The `cpu_paths` tests (precision, decode kernels, runtime parity, greedy speculative output) rerun as `kind`:
     on an AMX Xeon both an AVX2-only CPU's and a Zen 4's paths, on a Zen 4 the AVX2 ones."""
     if forced_cpu_kind() is not None:
@@ -119,7 +119,12 @@ def test_the_cpu_dependent_tests_pass_as_every_other_cpu_kind(kind):
     env = cpu_kind_env(kind)
     env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=3000)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    print(f"{CPU_KIND_ENV}={kind}: {summary}")
+    lines = result.stdout.strip().splitlines()
+    summary = lines[-1] if lines else ""
+    with capsys.disabled():  # the run's outcome in the main run's output, with what it skipped and why
+        print(f"\n{CPU_KIND_ENV}={kind}: {summary}")
+        for line in lines:
+            if line.startswith("SKIPPED"):
+                print(f"  as {kind}: {line}")
     assert result.returncode == 0, f"as {kind}:\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
     assert " passed" in summary
