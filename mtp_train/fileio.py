@@ -1,5 +1,5 @@
 """File helpers shared by every stage: atomic writes (temporary sibling, fsync, rename into place), whole directories
-swapped into place, JSON reading with clear errors, file checksums.
+swapped into place, JSON reading with clear errors, file checksums, and the marker that makes an output directory ours.
 
 A reader never sees a half-written file or directory, and a killed writer leaves only a `.<name>.tmp-<pid>` file or
 directory behind (stages that resume remove those of their own)."""
@@ -121,3 +121,53 @@ def staged_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# output directories: ours only where our marker says so
+# ---------------------------------------------------------------------------------------------------------------
+
+OUTPUT_MARKER = ".mtp_train-output.json"
+# kind -> the command that writes such a directory (the marker says which, so that one stage never replaces another's)
+OUTPUT_KINDS = {"prepared": "mtp-train prepare", "features": "mtp-train precompute", "export": "mtp-train export"}
+
+
+def output_kind(directory: str | os.PathLike[str]) -> str | None:
+    """The kind our marker in `directory` names; None without a readable marker."""
+    marker = Path(directory) / OUTPUT_MARKER
+    try:
+        value = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    kind = value.get("kind") if isinstance(value, dict) else None
+    return kind if kind in OUTPUT_KINDS else None
+
+
+def output_marker_bytes(kind: str) -> bytes:
+    """The marker file's contents for a directory of `kind` (a staged directory writes it with its other files)."""
+    return json_bytes({"kind": kind, "written_by": OUTPUT_KINDS[kind]})
+
+
+def write_output_marker(directory: str | os.PathLike[str], kind: str) -> None:
+    atomic_write_bytes(Path(directory) / OUTPUT_MARKER, output_marker_bytes(kind))
+
+
+def check_output_dir(directory: str | os.PathLike[str], kind: str, option: str) -> None:
+    """Refuse to write into, replace or delete `directory` unless it is absent, an empty directory, or carries our
+    marker of `kind`: a directory the user points an output at by mistake (their source data, the downloaded models,
+    other exports) is never touched, `--force`/`--overwrite` included. `option` names the setting that chose it."""
+    directory = Path(directory)
+    if not directory.exists() and not directory.is_symlink():
+        return
+    if not directory.is_dir():
+        raise UserError(f"{option} {directory}: exists and is not a directory; choose another {option}")
+    found = output_kind(directory)
+    if found == kind or not any(directory.iterdir()):
+        return
+    if found is not None:
+        raise UserError(f"{option} {directory}: holds the output of {OUTPUT_KINDS[found]} ({found}), not of "
+                        f"{OUTPUT_KINDS[kind]}; refusing to write there or replace it: choose another {option}")
+    raise UserError(f"{option} {directory}: not empty and not written by {OUTPUT_KINDS[kind]} (no {OUTPUT_MARKER} "
+                    f"of kind {kind} in it); refusing to write there or replace it, --force/--overwrite included: "
+                    f"choose an empty or new directory for {option} (an output of an older mtp_train without the "
+                    "marker: move it aside or delete it yourself)")

@@ -102,6 +102,7 @@ def test_prepare_cli_writes_datasets_stats_fingerprint_and_recipe(workspace, cap
     assert run_cli("--recipe", str(workspace["recipe"]), "--force") == 0
     output_dir = workspace["root"] / "prepared" / "tiny"
     assert sorted(p.name for p in output_dir.iterdir()) == [
+        ".mtp_train-output.json",  # the marker that makes it prepare's to replace
         "eval",
         "fingerprint.json",
         "recipe.resolved.yaml",

@@ -379,11 +379,18 @@ def test_unknown_format(head_dirs, target_dir, tmp_path, capsys):
 def test_output_directory_rules(head_dirs, target_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "stale.txt").write_text("x")
-    with pytest.raises(UserError, match="not empty.*--overwrite"):
+    (out / "notes.txt").write_text("the user's")
+    for overwrite in (False, True):  # a directory that is not an export of ours is never replaced
+        with pytest.raises(UserError, match="not empty and not written by mtp-train export.*--overwrite included"):
+            export_head(head_dirs["mtp"], "native", out, target_dir, overwrite=overwrite)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "the user's"
+    (out / "notes.txt").unlink()
+    export_head(head_dirs["mtp"], "native", out, target_dir)
+    with pytest.raises(UserError, match="holds an export.*--overwrite"):
         export_head(head_dirs["mtp"], "native", out, target_dir)
-    export_head(head_dirs["mtp"], "native", out, target_dir, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "head_config.json", "model.safetensors"]
+    export_head(head_dirs["mtp"], "native", out, target_dir, overwrite=True)  # our export: replaced
+    assert sorted(p.name for p in out.iterdir()) == [".mtp_train-output.json", "config.json", "head_config.json",
+                                                     "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the temporary and old directories are gone
     umask = os.umask(0)
     os.umask(umask)

@@ -161,7 +161,7 @@ def test_export_records_checksums_and_inspect_checks_them(chat_target, good_head
     out = export_head(good_head, fmt, tmp_path / fmt, target_dir)
     config = json.loads((out / "config.json").read_text())
     recorded = config["mtp_train"]["checksums"]
-    files = sorted(p.name for p in out.iterdir() if p.name != "config.json")
+    files = sorted(p.name for p in out.iterdir() if p.name not in ("config.json", ".mtp_train-output.json"))
     assert sorted(recorded) == files
     assert all(recorded[name] == sha256(out / name) for name in files)
     report = inspect_dir(out, target)

@@ -99,7 +99,8 @@ def auto_model(request, smollm2_dir, tmp_path_factory):
     if request.param == "probed":
         precision = resolve_precision("auto", "auto", "cpu")
     elif not cpu_facts().native_bf16:
-        pytest.skip(f"auto picks a bf16 model only on a CPU with native bf16, not on this one ({cpu_facts().describe()})")
+        pytest.skip(f"auto picks a bf16 model only on a CPU with native bf16, not on this one "
+                    f"({cpu_facts().describe()})")
     else:
         with pytest.MonkeyPatch.context() as patch:  # the made-up timing must not replace this machine's in the cache
             patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("probe-cache")))
@@ -124,8 +125,9 @@ def test_auto_dtype_parity_with_transformers(real, auto_model):
         # of the largest logit bounds it (measured: 1.5%; the prefill over the bf16 cache 0.7%).
         bf16_tol = 0.02 * float(ref.abs().max())
         # GEMM inputs rounded to bf16, weights and activations alike (fp32 accumulation): a bf16 model's roundings.
-        # A bf16 model, its residual stream in bf16 too, measures 3.4-4.5% of the largest logit (these prompts' prefill
-        # rows 3.6-4.5%, decode rows 1.7-2.0%, Intel Xeon with AMX; the demo's held-out split 3.4%): 3x the budget above.
+        # A bf16 model, its residual stream in bf16 too, measures 3.4-4.5% of the largest logit (these prompts'
+        # prefill rows 3.6-4.5%, decode rows 1.7-2.0%, Intel Xeon with AMX; the demo's held-out split 3.4%): 3x the
+        # budget above.
         bf16_gemm_tol = 3 * bf16_tol
         # Rows above the decode rows on the decode path (the layers' GEMMs up to MAX_QUERY_PER_SEQUENCE tokens, the
         # lm_head's at any count) read bf16 copies where the CPU has native bf16 (cpu_decode.ManyRowLinear).

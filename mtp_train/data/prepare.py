@@ -47,7 +47,13 @@ from mtp_train.data.prepared import (
 from mtp_train.data.regenerate import GenerateFn, Message, RegenerationStats, regenerate_conversations
 from mtp_train.data.templating import AssistantMaskRenderer, effective_chat_template, load_chat_tokenizer
 from mtp_train.errors import UserError
-from mtp_train.fileio import atomic_write_text, read_json_object, replace_directory
+from mtp_train.fileio import (
+    atomic_write_text,
+    check_output_dir,
+    read_json_object,
+    replace_directory,
+    write_output_marker,
+)
 from mtp_train.recipe import Recipe, recipe_hash, save_resolved
 
 logger = logging.getLogger(__name__)
@@ -329,6 +335,7 @@ def prepare_dataset(
         stats_json = read_json_object(output_dir / STATS_FILENAME)
         return PrepareResult(output_dir, stats_json, read_json_object(output_dir / FINGERPRINT_FILENAME), True)
 
+    check_output_dir(output_dir, "prepared", "data.output_dir")  # never replace what prepare did not write
     stats = PrepareStats()
     work_dir = output_dir.with_name(f".{output_dir.name}.work")
     regeneration_progress: Path | None = None
@@ -370,6 +377,7 @@ def prepare_dataset(
         atomic_write_text(staging_dir / STATS_FILENAME, json.dumps(stats_json, indent=2) + "\n")
         atomic_write_text(staging_dir / FINGERPRINT_FILENAME, json.dumps(fingerprint, indent=2) + "\n")
         save_resolved(recipe, staging_dir)
+        write_output_marker(staging_dir, "prepared")
         if regeneration_progress is not None and regeneration_progress.exists():
             shutil.copyfile(regeneration_progress, staging_dir / REGENERATED_FILENAME)
         replace_directory(staging_dir, output_dir)

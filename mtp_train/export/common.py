@@ -27,7 +27,13 @@ from typing import Any
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.fileio import read_json_object, staged_directory
+from mtp_train.fileio import (
+    OUTPUT_MARKER,
+    check_output_dir,
+    output_marker_bytes,
+    read_json_object,
+    staged_directory,
+)
 from mtp_train.heads.config import HeadConfig
 from mtp_train.runtime.config import ModelConfig
 from mtp_train.runtime.precision import TORCH_DTYPES
@@ -362,8 +368,9 @@ def mtp_train_block(format_name: str, head_config: HeadConfig, **extra: Any) -> 
 
 
 def check_out_dir(out: Path, overwrite: bool, protected: list[Path]) -> None:
-    """Refuse a non-empty output directory unless `overwrite`, a file in its place, and any directory that holds one
-    of `protected` (the head and target directories would be deleted by the replacement)."""
+    """Refuse a directory that is not empty and not an export of ours (`--overwrite` included), an export unless
+    `overwrite`, a file in its place, and any directory that holds one of `protected` (the head and target
+    directories would be deleted by the replacement)."""
     resolved = out.resolve()
     for path in protected:
         path = path.resolve()
@@ -376,8 +383,9 @@ def check_out_dir(out: Path, overwrite: bool, protected: list[Path]) -> None:
             f"--out {out}: is a mount point; an export is built next to its directory and renamed into place, which "
             f"a mount point cannot be: export into a directory inside it (e.g. --out {out / 'head-export'})"
         )
+    check_output_dir(out, "export", "--out")  # only an export of ours is ever replaced, --overwrite included
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"--out {out}: directory is not empty (pass --overwrite to replace it)")
+        raise UserError(f"--out {out}: holds an export (pass --overwrite to replace it)")
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -403,16 +411,17 @@ _WRITE_ERRORS = {
 
 
 def write_directory(out: Path, files: dict[str, bytes], overwrite: bool) -> Path:
-    """Write `files` (name -> bytes) into a staged sibling directory that then replaces `out` (an empty directory, or a
-    non-empty one when `overwrite`). A failed write (disk full, no permission, read-only file system, a mount point)
+    """Write `files` (name -> bytes) and our export marker into a staged sibling directory that then replaces `out` (an
+    empty directory, or an export of ours when `overwrite`). A failed write (disk full, no permission, read-only file system, a mount point)
     is a UserError naming `out` and what to do; the staging directory is removed and `out` is left as it was, so no
     half-written export is ever left under its name."""
     try:
         with staged_directory(out) as staging:
-            for name, data in files.items():
+            for name, data in {**files, OUTPUT_MARKER: output_marker_bytes("export")}.items():
                 _write_file(staging / name, data)
-            if out.is_dir() and any(out.iterdir()) and not overwrite:  # filled while we wrote
-                raise UserError(f"--out {out}: directory is not empty (pass --overwrite to replace it)")
+            check_output_dir(out, "export", "--out")  # filled while we wrote
+            if out.is_dir() and any(out.iterdir()) and not overwrite:
+                raise UserError(f"--out {out}: holds an export (pass --overwrite to replace it)")
     except OSError as err:
         advice = _WRITE_ERRORS.get(err.errno)
         if advice is None:

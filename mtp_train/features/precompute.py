@@ -34,7 +34,7 @@ from mtp_train.features.format import (
     shard_sha256_ok,
     write_shard,
 )
-from mtp_train.fileio import read_json_object, write_json_atomic
+from mtp_train.fileio import check_output_dir, read_json_object, write_json_atomic, write_output_marker
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
@@ -249,6 +249,8 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     prepared = load_prepared(prepared_dir)
     splits = {"train": prepared.train, "eval": prepared.eval}
     _check_tokenizer(recipe, prepared)  # before --force deletes anything and before any forward
+    check_output_dir(root, "features", "precompute.output_dir")  # a directory precompute did not write: untouched
+    _barrier(dist)  # every rank has checked before rank 0 deletes anything
 
     if force and env.rank == 0 and root.exists():
         shutil.rmtree(root)
@@ -290,6 +292,8 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
         return root
 
     root.mkdir(parents=True, exist_ok=True)
+    if env.rank == 0:
+        write_output_marker(root, "features")
     my_progress = progress_path(root, writer.rank)
     done: dict[str, dict[str, Any]] = {}
     refused = None  # the leader's reason to stop, passed to its group so that no rank waits for it

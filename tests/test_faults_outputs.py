@@ -1,0 +1,127 @@
+"""Never lose a user's data (issue 44, item 1): an output directory is written, replaced or deleted only when it is
+absent, empty, or carries our marker of the same kind (`fileio.OUTPUT_MARKER`). Before the fix `prepare` swapped out
+whatever directory `data.output_dir` named, `precompute --force` ran `rmtree` on any `precompute.output_dir`, and
+`export --overwrite` replaced any directory (`--out exports --overwrite` deleted every other export)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mtp_train.data.prepare import prepare_dataset
+from mtp_train.errors import UserError
+from mtp_train.export import export_head
+from mtp_train.features.precompute import run_precompute
+from mtp_train.fileio import OUTPUT_MARKER, check_output_dir, output_kind, write_output_marker
+from mtp_train.recipe import load_recipe
+from tests.pipeline_fixtures import RECIPE_PATH, tiny_pipeline
+
+
+def _user_dir(path: Path) -> dict[str, str]:
+    """A directory of the user's (a source file and a subdirectory), and what it holds."""
+    (path / "sub").mkdir(parents=True)
+    files = {"chats.jsonl": '{"id": 1}\n', "sub/notes.txt": "mine"}
+    for name, text in files.items():
+        (path / name).write_text(text)
+    return files
+
+
+def _unchanged(path: Path, files: dict[str, str]) -> bool:
+    held = {str(p.relative_to(path)): p.read_text() for p in path.rglob("*") if p.is_file()}
+    return held == files
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """(recipe overrides, root) of a tiny prepared dataset (read only)."""
+    root = tmp_path_factory.mktemp("faults-outputs")
+    _, overrides = tiny_pipeline(root, num_conversations=16)
+    return overrides, root
+
+
+def test_the_marker_rules(tmp_path):
+    check_output_dir(tmp_path / "absent", "features", "precompute.output_dir")
+    (tmp_path / "empty").mkdir()
+    check_output_dir(tmp_path / "empty", "features", "precompute.output_dir")
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "shard.bin").write_bytes(b"x")
+    write_output_marker(ours, "features")
+    assert output_kind(ours) == "features"
+    check_output_dir(ours, "features", "precompute.output_dir")
+    with pytest.raises(UserError, match=r"holds the output of mtp-train precompute \(features\), not of mtp-train "
+                                        r"export"):
+        check_output_dir(ours, "export", "--out")
+    (ours / OUTPUT_MARKER).write_text('{"kind": "features"')  # torn: not a marker
+    with pytest.raises(UserError, match="not empty and not written by mtp-train precompute"):
+        check_output_dir(ours, "features", "precompute.output_dir")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="exists and is not a directory"):
+        check_output_dir(tmp_path / "file", "prepared", "data.output_dir")
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_prepare_never_replaces_a_directory_it_did_not_write(pipeline, tmp_path, force):
+    overrides, _ = pipeline
+    mine = tmp_path / "mydata"
+    files = _user_dir(mine)
+    recipe = load_recipe(RECIPE_PATH, overrides + [f"data.output_dir={mine}"])
+    with pytest.raises(UserError, match=r"data.output_dir .*mydata: not empty and not written by mtp-train prepare"):
+        prepare_dataset(recipe, force=force, show_progress=False)
+    assert _unchanged(mine, files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mydata"]  # no work or staging directory left behind
+
+
+def test_prepare_replaces_its_own_output(pipeline):
+    overrides, root = pipeline
+    recipe = load_recipe(RECIPE_PATH, overrides)
+    assert output_kind(root / "prepared") == "prepared"
+    result = prepare_dataset(recipe, force=True, show_progress=False)
+    assert not result.up_to_date and output_kind(root / "prepared") == "prepared"
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_precompute_never_writes_into_or_deletes_a_directory_it_did_not_write(pipeline, tmp_path, force):
+    """`--set precompute.output_dir=data --force` used to delete the downloaded models."""
+    overrides, _ = pipeline
+    models = tmp_path / "data"
+    files = _user_dir(models)
+    recipe = load_recipe(RECIPE_PATH, overrides + [f"precompute.output_dir={models}"])
+    with pytest.raises(UserError, match=r"precompute.output_dir .*data: not empty and not written by mtp-train "
+                                        r"precompute.*--force/--overwrite included"):
+        run_precompute(recipe, force=force)
+    assert _unchanged(models, files)
+
+
+def test_precompute_refuses_another_stages_output_and_forces_its_own(pipeline, tmp_path):
+    overrides, root = pipeline
+    recipe = load_recipe(RECIPE_PATH, overrides + [f"precompute.output_dir={root / 'prepared'}"])
+    with pytest.raises(UserError, match=r"holds the output of mtp-train prepare \(prepared\)"):
+        run_precompute(recipe, force=True)
+    assert output_kind(root / "prepared") == "prepared"
+
+    features = tmp_path / "features"
+    recipe = load_recipe(RECIPE_PATH, overrides + [f"precompute.output_dir={features}"])
+    run_precompute(recipe)
+    assert output_kind(features) == "features"
+    (features / "leftover.txt").write_text("gone with --force")
+    run_precompute(recipe, force=True)  # ours: deleted and computed again
+    assert output_kind(features) == "features" and not (features / "leftover.txt").exists()
+
+
+def test_export_overwrite_never_deletes_other_exports(target_dir, tmp_path):
+    """`--out exports --overwrite`, where exports/ holds other exports (each marked, the folder above not)."""
+    from mtp_train.heads import DraftHead, HeadConfig, save_head
+    from mtp_train.runtime.loader import load_model
+
+    target = load_model(target_dir, dtype="float32", device="cpu")
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="last_layer"))
+    head_dir = save_head(head, tmp_path / "head")
+    exports = tmp_path / "exports"
+    first = export_head(head_dir, "native", exports / "first", target_dir)
+    with pytest.raises(UserError, match=r"--out .*exports: not empty and not written by mtp-train export"):
+        export_head(head_dir, "native", exports, target_dir, overwrite=True)
+    assert output_kind(first) == "export" and (first / "model.safetensors").is_file()
+    export_head(head_dir, "native", first, target_dir, overwrite=True)  # one export replaced by another: allowed
+    assert output_kind(first) == "export"
