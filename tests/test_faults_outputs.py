@@ -1,7 +1,11 @@
-"""Never lose a user's data (issue 44, item 1): an output directory is written, replaced or deleted only when it is
-absent, empty, or carries our marker of the same kind (`fileio.OUTPUT_MARKER`). Before the fix `prepare` swapped out
-whatever directory `data.output_dir` named, `precompute --force` ran `rmtree` on any `precompute.output_dir`, and
-`export --overwrite` replaced any directory (`--out exports --overwrite` deleted every other export)."""
+"""Never lose a user's data (issue 44).
+
+Item 1: an output directory is written, replaced or deleted only when it is absent, empty, or carries our marker of the
+same kind (`fileio.OUTPUT_MARKER`). Before the fix `prepare` swapped out whatever directory `data.output_dir` named,
+`precompute --force` ran `rmtree` on any `precompute.output_dir`, and `export --overwrite` replaced any directory
+(`--out exports --overwrite` deleted every other export).
+Item 4: a resumed or finished precompute compares the compute dtype; before, a cache could hold shards computed in
+fp32 and in bf16, and a finished one ignored a new dtype."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import pytest
 from mtp_train.data.prepare import prepare_dataset
 from mtp_train.errors import UserError
 from mtp_train.export import export_head
+from mtp_train.features.format import load_manifest
 from mtp_train.features.precompute import run_precompute
 from mtp_train.fileio import OUTPUT_MARKER, check_output_dir, output_kind, write_output_marker
 from mtp_train.recipe import load_recipe
@@ -125,3 +130,23 @@ def test_export_overwrite_never_deletes_other_exports(target_dir, tmp_path):
     assert output_kind(first) == "export" and (first / "model.safetensors").is_file()
     export_head(head_dir, "native", first, target_dir, overwrite=True)  # one export replaced by another: allowed
     assert output_kind(first) == "export"
+
+
+# ---- item 4: a resumed or finished precompute never mixes compute dtypes --------------------------------------------
+
+
+@pytest.mark.parametrize("finished", [False, True], ids=["resumed", "finished"])
+def test_precompute_refuses_another_compute_dtype(pipeline, tmp_path, finished):
+    overrides, _ = pipeline
+    features = tmp_path / "features"
+    # keys and values rounded to bf16 either way, so only the compute dtype differs between the two runs
+    overrides = overrides + [f"precompute.output_dir={features}", "precompute.kv_dtype=bfloat16"]
+    recipe = load_recipe(RECIPE_PATH, overrides)
+    run_precompute(recipe)
+    if not finished:
+        (features / "manifest.json").unlink()  # interrupted before the manifest: the progress files remain
+    bf16 = load_recipe(RECIPE_PATH, overrides + ["target.dtype=bfloat16"])
+    with pytest.raises(UserError, match="existing cache has target_dtype='float32', this run 'bfloat16'"):
+        run_precompute(bf16)
+    run_precompute(bf16, force=True)  # ours to start over
+    assert load_manifest(features)["target_dtype"] == "bfloat16"

@@ -143,8 +143,10 @@ def _check_tokenizer(recipe, prepared) -> None:
 
 
 def _compare_headers(existing: dict[str, Any], current: dict[str, Any], where: Path) -> None:
-    for key in ("format_version", "storage_dtype", "hidden_size", "aux_layers", "target_argmax", "world_size",
-                "kv_dtype"):
+    # target_dtype: the compute dtype as resolved (a cache whose shards mix bf16- and fp32-computed states would train
+    # a head on two targets at once)
+    for key in ("format_version", "target_dtype", "storage_dtype", "hidden_size", "aux_layers", "target_argmax",
+                "world_size", "kv_dtype"):
         if existing.get(key) != current.get(key):
             raise UserError(
                 f"{where}: existing cache has {key}={existing.get(key)!r}, this run {current.get(key)!r}; refusing to "
