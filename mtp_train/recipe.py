@@ -523,6 +523,9 @@ def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
         raise UserError(f"{recipe_path}: recipe file not found")
     try:
         raw = _parse_yaml(recipe_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise UserError(f"{recipe_path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start}); "
+                        "save the recipe as UTF-8") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

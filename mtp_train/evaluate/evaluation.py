@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mtp_train.train.tracking import read_metric_rows
+
 
 def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, draft_kind: str, draft_path: str,
              prompts_path, limit, ks, max_new_tokens, out_dir: Path, log_run_dir: Path | None = None,
@@ -111,11 +113,8 @@ def _tree_drafts(draft, draft_method: str, trees: tuple[str, ...]) -> dict[str, 
 def _log_to_run(recipe, run_dir: Path, report: dict, plots: list[Path]) -> None:
     """Append the eval results to the run's metrics.jsonl (and its W&B run, resumed by id, when enabled)."""
     metrics_path = run_dir / "metrics.jsonl"
-    last_step = 0
-    if metrics_path.is_file():
-        lines = [l for l in metrics_path.read_text().splitlines() if l.strip()]
-        last_step = json.loads(lines[-1])["step"] if lines else 0
-    row = {"step": last_step}
+    rows = read_metric_rows(metrics_path)
+    row = {"step": rows[-1]["step"] if rows else 0}
     for method, r in report["overall"].items():
         for key in ("tau", "mean_acceptance_length", "alpha", "tokens_per_s", "speedup", "speedup_median",
                     "predicted_speedup"):

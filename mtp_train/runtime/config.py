@@ -6,13 +6,13 @@ checks that the architecture and options are ones the runtime implements, and sa
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
+from mtp_train.fileio import read_json_object
 
 # model_type -> what distinguishes it inside the Llama family.
 SUPPORTED_MODEL_TYPES = {
@@ -105,10 +105,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         raise UserError(f"{config_path}: not found (expected a HF model directory with config.json and *.safetensors)")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise UserError(f"{config_path}: invalid JSON ({err})") from None
+    raw = read_json_object(config_path)  # a UserError naming the file for bytes that are not UTF-8 or not JSON
     return _parse(raw, config_path, lambda: AutoConfig.from_pretrained(str(model_dir)))
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 
 from mtp_train.errors import UserError
+from mtp_train.fileio import read_json_object
 from mtp_train.runtime.attention import get_backend
 from mtp_train.runtime.config import ModelConfig, load_config
 from mtp_train.runtime.model import CausalLM
@@ -44,7 +44,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = read_json_object(index, "the sharded weights' index").get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{index}: weight_map is not a JSON object")
         files = sorted({model_dir / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:

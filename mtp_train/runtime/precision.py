@@ -162,8 +162,12 @@ def decode_probe(facts: CpuFacts, reprobe: bool = False, timer=None) -> dict[int
     cached: dict = {}
     if path.is_file():
         try:
-            cached = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+            cached = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:  # a damaged cache: measured again
+            log.warning("ignoring the precision probe cache %s (%s); timing the decode path again", path,
+                        type(err).__name__)
+            cached = {}
+        if not isinstance(cached, dict):
             cached = {}
     if not reprobe and key in cached:
         return {int(rows): times for rows, times in cached[key]["decode"].items()}

@@ -88,9 +88,37 @@ class Tracker:
             self.wandb_run.finish()
 
 
+def read_metric_rows(metrics_path: Path) -> list[dict[str, Any]]:
+    """The rows of a run's `metrics.jsonl` ([] without the file). A torn last line (a kill while it was appended) is
+    dropped with a warning; any other line that is not a JSON object with a `step` is a UserError naming the file and
+    line."""
+    from mtp_train.errors import UserError
+
+    if not metrics_path.is_file():
+        return []
+    lines = metrics_path.read_bytes().split(b"\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a JSON object with an integer step")
+        except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if all(not rest.strip() for rest in lines[number:]):
+                log.warning("%s:%d: dropping a torn last line (%s; the run was killed while writing it)",
+                            metrics_path, number, type(err).__name__)
+                break
+            raise UserError(f"{metrics_path}:{number}: not a metrics row ({err}); the file was edited or damaged: "
+                            "remove that line") from None
+        rows.append(row)
+    return rows
+
+
 def truncate_metrics(metrics_path: Path, after_step: int) -> None:
-    """On resume, drop metric rows logged after the checkpoint (they will be logged again)."""
+    """On resume, drop metric rows logged after the checkpoint (they will be logged again), and a torn last line."""
     if not metrics_path.is_file():
         return
-    kept = [line for line in metrics_path.read_text().splitlines() if line and json.loads(line)["step"] <= after_step]
-    metrics_path.write_text("".join(line + "\n" for line in kept))
+    kept = [row for row in read_metric_rows(metrics_path) if row["step"] <= after_step]
+    metrics_path.write_text("".join(json.dumps(row) + "\n" for row in kept))

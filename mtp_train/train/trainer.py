@@ -13,7 +13,6 @@ train/checkpoints.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -45,6 +44,7 @@ from mtp_train.train.checkpoints import (
     run_checkpoints,
     start_new_run,
 )
+from mtp_train.train.tracking import read_metric_rows
 
 log = logging.getLogger(__name__)
 
@@ -327,9 +327,7 @@ def _tokens_before(checkpoint: CheckpointInfo, metrics_path: Path) -> int:
     existed) the sum over the metric rows up to its step."""
     if "tokens" in checkpoint.state:
         return int(checkpoint.state["tokens"])
-    if not metrics_path.is_file():
-        return 0
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = read_metric_rows(metrics_path)
     return sum(int(r.get("tokens", 0)) for r in rows if r.get("step", 0) <= checkpoint.step)
 
 
