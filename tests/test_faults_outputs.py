@@ -5,10 +5,13 @@ same kind (`fileio.OUTPUT_MARKER`). Before the fix `prepare` swapped out whateve
 `precompute --force` ran `rmtree` on any `precompute.output_dir`, and `export --overwrite` replaced any directory
 (`--out exports --overwrite` deleted every other export).
 Item 4: a resumed or finished precompute compares the compute dtype; before, a cache could hold shards computed in
-fp32 and in bf16, and a finished one ignored a new dtype."""
+fp32 and in bf16, and a finished one ignored a new dtype.
+Item 6: precompute checks the prepared token ids against the target's vocabulary before it computes anything (before,
+an IndexError naming no sample) and stores no NaN or infinite state (before, stored unchecked)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -150,3 +153,47 @@ def test_precompute_refuses_another_compute_dtype(pipeline, tmp_path, finished):
         run_precompute(bf16)
     run_precompute(bf16, force=True)  # ours to start over
     assert load_manifest(features)["target_dtype"] == "bfloat16"
+
+
+# ---- item 6: token ids and stored values checked where they enter ---------------------------------------------------
+
+
+def test_precompute_names_a_token_id_outside_the_targets_vocabulary(pipeline, tmp_path):
+    """A target whose embedding is one row short of its tokenizer (the added tokens' last id has no row): named by
+    split, sample and id before anything is computed, instead of an IndexError in the first forward."""
+    from tests.tiny_models import save_tiny_model
+
+    from mtp_train.data.prepared import load_prepared
+
+    overrides, root = pipeline
+    target = Path(load_recipe(RECIPE_PATH, overrides).target.path)
+    prepared = load_prepared(root / "prepared")
+    highest = max(max(ids) for split in (prepared.train, prepared.eval) for ids in split["input_ids"])
+    short = save_tiny_model(tmp_path / "short-target", "llama", vocab_size=highest)  # no row for the highest id
+    for path in target.iterdir():  # the same tokenizer and chat template
+        if path.name not in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(path, short / path.name)
+    features = tmp_path / "features"
+    recipe = load_recipe(RECIPE_PATH, overrides + [f"target.path={short}", f"precompute.output_dir={features}"])
+    with pytest.raises(UserError, match=rf"prepared/(train|eval): sample \d+ \(source '.*'\) holds token id "
+                                        rf"{highest}, outside the target's vocabulary \(vocab_size {highest} in "):
+        run_precompute(recipe)
+    assert not features.exists()
+
+
+def test_precompute_stores_no_nan_states(pipeline, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    overrides, _ = pipeline
+    target = Path(load_recipe(RECIPE_PATH, overrides).target.path)
+    broken = tmp_path / "nan-target"
+    shutil.copytree(target, broken)
+    weights = load_file(broken / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")  # a damaged checkpoint
+    save_file(weights, broken / "model.safetensors")
+    features = tmp_path / "features"
+    recipe = load_recipe(RECIPE_PATH, overrides + [f"target.path={broken}", f"precompute.output_dir={features}"])
+    with pytest.raises(UserError, match=r"hidden states are NaN or infinite for sample\(s\) \d+.*nothing of that "
+                                        r"batch was stored"):
+        run_precompute(recipe)
+    assert not list(features.glob("*/shard-*.safetensors"))

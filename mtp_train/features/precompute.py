@@ -128,6 +128,45 @@ def _feature_kv_dtype(name: str, target, device: torch.device, dist, rank: int) 
     return TORCH_DTYPES[name]
 
 
+def _check_token_ids(splits: dict[str, Any], vocab_size: int, prepared_dir: Path, target_path: str) -> None:
+    """Refuse prepared data holding a token id the target has no embedding row for (a tokenizer whose added tokens
+    lie beyond the model's vocabulary, or ids edited by hand): named here, by split, sample and id, instead of an
+    IndexError (or a CUDA device assert) inside the first forward that meets it."""
+    import pyarrow.compute as pc
+
+    for split, dataset in splits.items():
+        if len(dataset) == 0:
+            continue
+        ids = dataset.with_format("arrow")[:].column("input_ids").combine_chunks().flatten()
+        low, high = pc.min_max(ids).values()
+        if low.as_py() >= 0 and high.as_py() < vocab_size:
+            continue
+        for index, row in enumerate(dataset.select_columns(["input_ids", "source_id"])):
+            bad = [t for t in row["input_ids"] if not 0 <= t < vocab_size]
+            if bad:
+                raise UserError(
+                    f"{prepared_dir / split}: sample {index} (source {row['source_id']!r}) holds token id {bad[0]}, "
+                    f"outside the target's vocabulary (vocab_size {vocab_size} in {Path(target_path) / 'config.json'}"
+                    "): the tokenizer that prepared the data makes ids this model has no embedding for (added "
+                    "tokens?). Use the tokenizer that belongs to the model, then re-run `mtp-train prepare --force`")
+
+
+def _check_finite(hidden: torch.Tensor, aux, batch_lengths: list[int], batch_indices: list[int], split: str,
+                  prepared_dir: Path, dtype: str) -> None:
+    """Refuse to store states that are NaN or infinite (an overflow in float16, a damaged checkpoint): the samples
+    named, nothing of the batch written."""
+    finite = torch.isfinite(hidden).all(dim=-1)  # [T]
+    if aux is not None:
+        finite &= torch.isfinite(aux).flatten(1).all(dim=-1)
+    if bool(finite.all()):
+        return
+    bad = [index for index, ok in zip(batch_indices, finite.split(batch_lengths)) if not bool(ok.all())]
+    raise UserError(f"{prepared_dir / split}: the target's hidden states are NaN or infinite for sample(s) "
+                    f"{', '.join(map(str, bad[:8]))}{' and more' if len(bad) > 8 else ''} (computed in {dtype}); "
+                    "nothing of that batch was stored. float16 overflows in large activations: use target.dtype "
+                    "bfloat16 or float32; otherwise check the model's weights (`mtp-train generate` on one prompt)")
+
+
 def _check_tokenizer(recipe, prepared) -> None:
     """Refuse a target whose tokenizer is not the one that tokenized the prepared data (same hash as `prepare`)."""
     from mtp_train.data.prepared import tokenizer_fingerprint, tokenizer_mismatch
@@ -230,6 +269,7 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     from mtp_train.fingerprint import target_fingerprint
     from mtp_train.recipe import save_resolved, with_precision
     from mtp_train.runtime.attention import BatchInfo
+    from mtp_train.runtime.config import load_config
     from mtp_train.runtime.loader import resolve_device
     from mtp_train.runtime.precision import resolve_precision
     from mtp_train.runtime.tensor_parallel import (
@@ -251,6 +291,7 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     prepared = load_prepared(prepared_dir)
     splits = {"train": prepared.train, "eval": prepared.eval}
     _check_tokenizer(recipe, prepared)  # before --force deletes anything and before any forward
+    _check_token_ids(splits, load_config(recipe.target.path).vocab_size, Path(prepared_dir), recipe.target.path)
     check_output_dir(root, "features", "precompute.output_dir")  # a directory precompute did not write: untouched
     _barrier(dist)  # every rank has checked before rank 0 deletes anything
 
@@ -360,17 +401,16 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
                 )
                 if not layout.is_leader:  # a follower of a tensor-parallel group: its part of the forward is done
                     continue
+                aux_stack = torch.stack([out.aux_hidden[j] for j in aux_layers], dim=1) if aux_layers else None
+                _check_finite(out.hidden, aux_stack, batch_lengths, batch_indices, split, Path(prepared_dir),
+                              precision.dtype)
                 hidden_rows = out.hidden.cpu().split(batch_lengths)
                 argmax_rows = (
                     _target_argmax(model, out.hidden, pre.storage_dtype).cpu().split(batch_lengths)
                     if pre.target_argmax
                     else [None] * len(ids)
                 )
-                aux_rows = (
-                    torch.stack([out.aux_hidden[j] for j in aux_layers], dim=1).cpu().split(batch_lengths)
-                    if aux_layers
-                    else [None] * len(ids)
-                )
+                aux_rows = aux_stack.cpu().split(batch_lengths) if aux_stack is not None else [None] * len(ids)
                 for sample_index, token_ids, mask, hidden, argmax, aux in zip(
                     batch_indices, ids, masks, hidden_rows, argmax_rows, aux_rows
                 ):
