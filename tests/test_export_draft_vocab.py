@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from mtp_train.errors import UserError
 from mtp_train.export import export_head, inspect_dir, load_any_head
+from mtp_train.fileio import OUTPUT_MARKER
 from mtp_train.heads import DraftHead, HeadConfig, load_head, save_head
 from tests.export_helpers import EXPECTED, draft_logits, edited_copy, read_config, run_cli
 
@@ -80,7 +81,8 @@ def test_native_writes_d2t_and_t2d(exports, kind):
     assert torch.equal(tensors["d2t"], DRAFT_IDS - torch.arange(N))
     assert torch.equal(torch.arange(N) + tensors["d2t"], DRAFT_IDS)
     assert torch.equal(tensors["t2d"].nonzero().flatten(), DRAFT_IDS)
-    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "head_config.json", "model.safetensors"]
+    assert sorted(p.name for p in directory.iterdir()) == [OUTPUT_MARKER, "config.json", "head_config.json",
+                                                            "model.safetensors"]
     config = read_config(directory)
     assert config["draft_vocab_size"] == N and config["vocab_size"] == V
     assert config["torch_dtype"] == "float32"  # the floating-point tensors; d2t/t2d keep int64/bool
@@ -93,7 +95,8 @@ def test_eagle_writes_sglang_token_map(exports):
     # The checkpoint is the plain EAGLE-1 tensor set: SGLang's EAGLE-1 loaders read no d2t/t2d (Qwen2's would fail).
     expected = {name: (shape, torch.float32) for name, shape in EXPECTED[("eagle", "eagle1")].items()}
     assert layout(directory) == expected
-    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors", TOKEN_MAP]
+    assert sorted(p.name for p in directory.iterdir()) == [OUTPUT_MARKER, "config.json", "model.safetensors",
+                                                            TOKEN_MAP]
     # What SGLang's load_token_map does with --speculative-token-map: torch.load(weights_only=True) -> torch.tensor.
     loaded = torch.load(directory / TOKEN_MAP, weights_only=True)
     assert loaded == DRAFT_IDS.tolist() and all(type(i) is int for i in loaded)
