@@ -87,11 +87,49 @@ def file_sha256(path: str | os.PathLike[str], hasher: Any = None) -> str:
     return hasher.hexdigest()
 
 
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def recover_replaced_directory(target: str | os.PathLike[str]) -> None:
+    """Finish or undo a `replace_directory` that a crash interrupted. It renames the old `target` aside as
+    `.<name>.old-<pid>`, renames the new one into place, then removes the old: a kill between the two renames leaves
+    no `target` and the old copy hidden; a kill after them leaves the hidden copy beside the new one. Here, for copies
+    whose process is gone: with `target` missing the newest copy is renamed back (the output as it was before the
+    interrupted replace), and every other copy is removed. A copy whose process is alive is a replace in progress and
+    is left alone."""
+    target = Path(target)
+    retired = []
+    for path in target.parent.glob(f".{target.name}.old-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            retired.append(path)
+    if not retired:
+        return
+    retired.sort(key=lambda path: path.lstat().st_mtime)
+    if not target.exists() and not target.is_symlink():
+        os.replace(retired.pop(), target)
+    for path in retired:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def replace_directory(staging: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
     """Rename the complete directory `staging` to `target`. An existing `target` is first renamed aside and removed
     only once the new one is in place, so a crash leaves either the old or the new directory, never a mix."""
     staging, target = Path(staging), Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    recover_replaced_directory(target)
     retired = None
     if target.exists() or target.is_symlink():
         retired = target.with_name(f".{target.name}.old-{os.getpid()}")
@@ -111,6 +149,7 @@ def staged_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
     replaces `target` (`replace_directory`), on an exception it is removed and `target` is left as it was."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    recover_replaced_directory(target)
     staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     if staging.exists():
         shutil.rmtree(staging)

@@ -6,11 +6,15 @@ same kind (`fileio.OUTPUT_MARKER`). Before the fix `prepare` swapped out whateve
 (`--out exports --overwrite` deleted every other export).
 Item 4: a resumed or finished precompute compares the compute dtype; before, a cache could hold shards computed in
 fp32 and in bf16, and a finished one ignored a new dtype.
+Item 8: a directory replace killed between its two renames (no output under its name, the old copy hidden as
+`.<name>.old-<pid>`) is undone by the next reader or writer of that output; before, only the asset builder cleaned
+such copies, and it deleted them.
 Item 6: precompute checks the prepared token ids against the target's vocabulary before it computes anything (before,
 an IndexError naming no sample) and stores no NaN or infinite state (before, stored unchecked)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -18,10 +22,16 @@ import pytest
 
 from mtp_train.data.prepare import prepare_dataset
 from mtp_train.errors import UserError
-from mtp_train.export import export_head
+from mtp_train.export import export_head, inspect_dir
 from mtp_train.features.format import load_manifest
 from mtp_train.features.precompute import run_precompute
-from mtp_train.fileio import OUTPUT_MARKER, check_output_dir, output_kind, write_output_marker
+from mtp_train.fileio import (
+    OUTPUT_MARKER,
+    check_output_dir,
+    output_kind,
+    recover_replaced_directory,
+    write_output_marker,
+)
 from mtp_train.recipe import load_recipe
 from tests.pipeline_fixtures import RECIPE_PATH, tiny_pipeline
 
@@ -133,6 +143,9 @@ def test_export_overwrite_never_deletes_other_exports(target_dir, tmp_path):
     assert output_kind(first) == "export" and (first / "model.safetensors").is_file()
     export_head(head_dir, "native", first, target_dir, overwrite=True)  # one export replaced by another: allowed
     assert output_kind(first) == "export"
+    # item 8 for exports: a replace killed between its renames; the next reader (inspect, load) restores the old one
+    first.rename(exports / f".first.old-{_dead_pid()}")
+    assert not inspect_dir(first).problems and output_kind(first) == "export"
 
 
 # ---- item 4: a resumed or finished precompute never mixes compute dtypes --------------------------------------------
@@ -197,3 +210,40 @@ def test_precompute_stores_no_nan_states(pipeline, tmp_path):
                                         r"batch was stored"):
         run_precompute(recipe)
     assert not list(features.glob("*/shard-*.safetensors"))
+
+
+# ---- item 8: a replace interrupted between its two renames is undone --------------------------------------------------
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def test_a_prepared_dataset_retired_by_an_interrupted_replace_is_restored(pipeline, tmp_path):
+    """A kill after `replace_directory` moved the old output aside and before it moved the new one in: the output's
+    name is gone and the old copy hidden. The next reader (and the next writer) renames it back."""
+    from mtp_train.data.prepared import load_prepared
+
+    _, root = pipeline
+    prepared = tmp_path / "prepared"
+    shutil.copytree(root / "prepared", prepared)
+    hidden = tmp_path / f".prepared.old-{_dead_pid()}"
+    prepared.rename(hidden)
+    assert len(load_prepared(prepared).train) > 0  # restored under its name
+    assert prepared.is_dir() and not hidden.exists()
+
+
+def test_a_copy_left_after_the_second_rename_is_removed_and_a_live_one_kept(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "new.txt").write_text("new")
+    stale = tmp_path / f".out.old-{_dead_pid()}"
+    stale.mkdir()
+    live = tmp_path / f".out.old-{os.getpid()}"  # a replace in progress in a live process: not ours to touch
+    live.mkdir()
+    recover_replaced_directory(target)
+    assert (target / "new.txt").read_text() == "new" and not stale.exists() and live.exists()

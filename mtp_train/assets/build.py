@@ -32,7 +32,7 @@ from mtp_train.assets.catalogue import (
 from mtp_train.assets.console import say
 from mtp_train.assets.gguf import build_model
 from mtp_train.assets.sharegpt import build_dataset
-from mtp_train.fileio import read_json_object, staged_directory, write_json_atomic
+from mtp_train.fileio import read_json_object, recover_replaced_directory, staged_directory, write_json_atomic
 
 
 @dataclass
@@ -74,8 +74,11 @@ def _exclusive_lock(target: Path) -> Iterator[None]:
 
 
 def _remove_stale(target: Path) -> None:
-    """Remove the temporary and retired siblings of `target` left by killed runs (called with its lock held):
-    `.<name>.tmp-*` / `.<name>.old-*`, and the unhidden `<name>.tmp-*` / `<name>.old-*` of earlier versions."""
+    """Undo a replace of `target` killed between its two renames (`fileio.recover_replaced_directory`: the retired
+    copy renamed back where `target` is missing), then remove the temporary and retired siblings left by killed runs
+    (called with its lock held): `.<name>.tmp-*` / `.<name>.old-*`, and the unhidden `<name>.tmp-*` / `<name>.old-*`
+    of earlier versions."""
+    recover_replaced_directory(target)
     for prefix in (".", ""):
         for pattern in (f"{prefix}{target.name}.tmp-*", f"{prefix}{target.name}.old-*"):
             for stale in target.parent.glob(pattern):

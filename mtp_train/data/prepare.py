@@ -51,6 +51,7 @@ from mtp_train.fileio import (
     atomic_write_text,
     check_output_dir,
     read_json_object,
+    recover_replaced_directory,
     replace_directory,
     write_output_marker,
 )
@@ -330,6 +331,7 @@ def prepare_dataset(
             raise UserError(f"data.sources: {source.path}: not found")
     inputs = _inputs_fingerprint(recipe, tokenizer_digest, row_limit)
     inputs_hash = hashlib.sha256(json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    recover_replaced_directory(output_dir)  # a previous replace killed between its renames
     if not force and _is_up_to_date(output_dir, inputs_hash):
         logger.info("%s is up to date (same recipe, tokenizer and sources); --force rebuilds it", output_dir)
         stats_json = read_json_object(output_dir / STATS_FILENAME)

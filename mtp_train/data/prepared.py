@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtp_train.errors import UserError
-from mtp_train.fileio import file_sha256, read_json_object
+from mtp_train.fileio import file_sha256, read_json_object, recover_replaced_directory
 
 if TYPE_CHECKING:
     import datasets
@@ -133,6 +133,7 @@ def load_prepared(directory: str | Path, *, verify: bool = False) -> PreparedDat
     import datasets
 
     root = Path(directory)
+    recover_replaced_directory(root)  # a replace killed between its renames: the previous output back in place
     if not (root / FINGERPRINT_FILENAME).is_file():
         raise UserError(f"{root}: not a prepared dataset (no {FINGERPRINT_FILENAME}); run `mtp-train prepare` first")
     fingerprint = read_json_object(root / FINGERPRINT_FILENAME)

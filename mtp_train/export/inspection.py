@@ -14,7 +14,7 @@ from mtp_train.export.common import (
     BLOCK_KEY, CHECKSUMS_KEY, CONFIG_FILENAME, DRAFT_VOCAB_TENSORS, WEIGHTS_FILENAME, Target, read_safetensors_header,
 )
 from mtp_train.export.registry import FORMATS
-from mtp_train.fileio import file_sha256, read_json_object
+from mtp_train.fileio import file_sha256, read_json_object, recover_replaced_directory
 
 # Heuristic detection order when the config does not name its format (native first: it may hold any names).
 _DETECT_ORDER = ("native", "eagle3", "vllm-mtp", "deepseek-mtp", "eagle")  # vllm-mtp: also num_nextn_predict_layers
@@ -35,6 +35,7 @@ def inspect_dir(directory: str | os.PathLike[str], target: Any = None) -> Report
     directory, no config.json, invalid JSON or safetensors) raises UserError; everything else lands in
     `Report.problems`, and the files' integrity (`check_integrity`) in `Report.integrity` / `Report.checksum`."""
     directory = Path(directory)
+    recover_replaced_directory(directory)  # an export replaced by a run killed between its renames: the old one back
     if not directory.is_dir():
         raise UserError(f"{directory}: directory not found")
     config_path, weights_path = directory / CONFIG_FILENAME, directory / WEIGHTS_FILENAME

@@ -19,6 +19,7 @@ from mtp_train.errors import UserError
 from mtp_train.export.common import CONFIG_FILENAME, HEAD_CONFIG_FILENAME, WEIGHTS_FILENAME
 from mtp_train.export.inspection import inspect_dir
 from mtp_train.export.registry import FORMATS
+from mtp_train.fileio import recover_replaced_directory
 from mtp_train.heads.draft_head import DraftHead
 from mtp_train.heads.io import build_head, check_head_state, check_target, load_head, read_safetensors
 from mtp_train.heads.vocab import ids_from_d2t
@@ -44,6 +45,7 @@ def load_any_head(directory: str | os.PathLike[str], target: CausalLM, dtype: to
     (default: for an export the dtype stored in the file, so a round trip reproduces the original head bit for bit;
     for a `head/` directory the target's, as `load_head`; d2t/t2d of a reduced draft vocabulary keep int64/bool)."""
     directory = Path(directory)
+    recover_replaced_directory(directory)  # an export replaced by a run killed between its renames: the old one back
     if (directory / HEAD_CONFIG_FILENAME).is_file() and not (directory / CONFIG_FILENAME).is_file():
         return load_head(directory, target, dtype=dtype)  # a trainer's head/ dir (save_head output)
     report = inspect_dir(directory, target)
