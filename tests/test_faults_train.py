@@ -328,3 +328,57 @@ def test_kill_9_of_a_new_run_then_resume_matches_uninterrupted(features, finishe
     _assert_same_head(run_dir, straight)
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert losses == [json.loads(line)["loss"] for line in (straight / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---- issue 44, item 2: a checkpoint is tied to the cache, data and target it trained on ------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_features(tmp_path_factory):
+    """Another prepared dataset (more conversations) and its cache: what `prepare` with more samples and `precompute
+    --force` leave behind."""
+    root = tmp_path_factory.mktemp("faults-train-other")
+    _, overrides = tiny_features(root, num_conversations=48, **TRAIN)
+    return overrides
+
+
+def test_resume_on_another_feature_cache_is_refused_naming_both(features, finished, other_features, tmp_path):
+    from mtp_train.features.format import cache_identity, load_manifest
+
+    _, overrides = features
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    state = json.loads((run_dir / "checkpoints" / "step-4" / "client_state.json").read_text())
+    recorded = state["trained_on"]
+    old_cache = load_manifest(Path(recorded["features_dir"]))
+    assert recorded["features"] == cache_identity(old_cache)
+    new_dir = next(o.split("=", 1)[1] for o in other_features if o.startswith("precompute.output_dir="))
+    new_cache = cache_identity(load_manifest(Path(new_dir)))
+    with pytest.raises(UserError, match=rf"step-4: trained on another prepared data {recorded['dataset']}; this "
+                                        r"run's is \w+; continuing would train on the new data from the old position"):
+        _train(other_features, run_dir, "train.max_steps=6")
+    assert _steps(run_dir) == ["step-2", "step-4"]  # nothing trained, nothing pruned
+    assert new_cache != recorded["features"]
+
+    # the same cache under another directory (moved): its identity is the same, the run resumes
+    moved = tmp_path / "moved-features"
+    shutil.copytree(recorded["features_dir"], moved)
+    _train(overrides + [f"precompute.output_dir={moved}"], run_dir, "train.max_steps=6")
+    assert _steps(run_dir)[-1] == "step-6"
+
+
+def test_a_checkpoint_that_names_no_cache_resumes_only_with_force(features, finished, tmp_path):
+    _, overrides = features
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    client = run_dir / "checkpoints" / "step-4" / "client_state.json"
+    state = json.loads(client.read_text())
+    del state["trained_on"]  # as saved before checkpoints recorded it
+    client.write_text(json.dumps(state))
+    with pytest.raises(UserError, match="saved before checkpoints named their feature cache.*--force to resume"):
+        _train(overrides, run_dir, "train.max_steps=6")
+    from mtp_train.train.trainer import run_training
+
+    run_training(load_recipe(RECIPE, overrides + [f"train.run_dir={run_dir}", "train.max_steps=6"]), force=True,
+                 show_progress=False)
+    assert _steps(run_dir)[-1] == "step-6"

@@ -158,6 +158,19 @@ def missing_manifest_keys(manifest: dict[str, Any]) -> list[str]:
     return missing
 
 
+def cache_identity(manifest: dict[str, Any]) -> str:
+    """A short hash naming what a feature cache holds: its fingerprints (target, tokenizer, dataset, precompute
+    settings) and every shard's sha256. A byte-identical recomputation keeps it; new data, another target or other
+    states change it (a checkpoint records it, and training refuses to resume on a cache with another)."""
+    hasher = hashlib.sha256()
+    for key, value in sorted(manifest.get("fingerprints", {}).items()):
+        hasher.update(f"{key}={value}\0".encode())
+    for split, info in sorted(manifest.get("splits", {}).items()):
+        for record in sorted(info.get("shards", []), key=lambda r: r.get("name", "")):
+            hasher.update(f"{split}/{record.get('name')}={record.get('sha256')}\0".encode())
+    return hasher.hexdigest()[:16]
+
+
 def shard_sha256_ok(root: Path, record: dict[str, Any]) -> bool:
     path = root / record["name"]
     return path.is_file() and path.stat().st_size == record["nbytes"] and file_sha256(path) == record["sha256"]

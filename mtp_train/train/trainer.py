@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from mtp_train.errors import UserError
+from mtp_train.features.format import cache_identity
 from mtp_train.fileio import read_json_object
 from mtp_train.recipe import flatten_recipe
 from mtp_train.train.checkpoints import (
@@ -331,6 +332,32 @@ def _tokens_before(checkpoint: CheckpointInfo, metrics_path: Path) -> int:
     return sum(int(r.get("tokens", 0)) for r in rows if r.get("step", 0) <= checkpoint.step)
 
 
+def trained_on(run: TrainingRun) -> dict[str, str]:
+    """What a checkpoint of this run is tied to: the feature cache (`features.format.cache_identity`: its
+    fingerprints and shard hashes), the prepared data and the target, each with where it was read."""
+    manifest = run.train_reader.manifest
+    return {"features": cache_identity(manifest), "features_dir": str(run.recipe.features_dir),
+            "dataset": str(manifest["fingerprints"].get("dataset")), "target": run.fingerprint,
+            "target_path": str(run.recipe.target.path)}
+
+
+def _trained_elsewhere(checkpoint: CheckpointInfo, now: dict[str, str]) -> str | None:
+    """Why `checkpoint` was not trained on this run's cache, data and target (None: it was), naming both sides."""
+    then = checkpoint.state.get("trained_on")
+    if then is None:
+        target = checkpoint.state.get("target_fingerprint")
+        if target is not None and target != now["target"]:
+            return f"trained on another target {target}; this run's is {now['target']} at {now['target_path']}"
+        return "saved before checkpoints named their feature cache, so it cannot be matched to this run's"
+    for key, label in (("target", "target"), ("dataset", "prepared data"), ("features", "feature cache")):
+        if then.get(key) != now[key]:
+            where = {"target": "target_path", "features": "features_dir"}.get(key)
+            was = f" at {then.get(where)}" if where and then.get(where) else ""
+            here = f" at {now[where]}" if where else ""
+            return f"trained on another {label} {then.get(key)}{was}; this run's is {now[key]}{here}"
+    return None
+
+
 def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool = False) -> tuple[int, bool]:
     """Load the checkpoint `resume` names ("auto": this run's latest complete one, if any; "never"; or a checkpoint
     directory) into the engine, the reader and the RNGs; prepare the run dir (resolved recipe; metrics cut back to
@@ -357,6 +384,16 @@ def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool =
                     f"{run.run_dir}: resuming with a changed recipe ({', '.join(changed)}); use the saved recipe, "
                     "another train.run_dir, or --force to resume anyway"
                 )
+        # A checkpoint of this run must have trained on this run's data; one of another run dir, named explicitly,
+        # seeds a new run here (fine-tuning on new data is what that is for).
+        same_run = chosen.path.parent.resolve() == run.checkpoint_dir.resolve()
+        elsewhere = _trained_elsewhere(chosen, trained_on(run)) if same_run else None
+        if elsewhere and not force:
+            raise UserError(
+                f"{checkpoint}: {elsewhere}; continuing would train on the new data from the old "
+                "position. Start a new run here (`--resume never`: the old run is moved aside), use another "
+                "train.run_dir, or --force to resume anyway"
+            )
         load_path, client = run.engine.load_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
         if load_path is None:
             raise UserError(f"{checkpoint}: DeepSpeed could not load this checkpoint")
@@ -403,7 +440,8 @@ def save_checkpoint(run: TrainingRun, step: int, tag: str | None = None, tokens:
         if run.is_main:
             write_json_atomic(path / "client_state.json", {
                 "step": step, "run_id": run.run_id, "world_size": run.world_size, "tokens": tokens,
-                "reader": run.train_reader.state_dict(), "target_fingerprint": run.fingerprint})
+                "reader": run.train_reader.state_dict(), "target_fingerprint": run.fingerprint,
+                "trained_on": trained_on(run)})
     except (OSError, RuntimeError, UserError) as err:
         if not is_disk_full(err):
             raise
