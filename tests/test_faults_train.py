@@ -2,7 +2,8 @@
 never mix runs), a planted pickle in a checkpoint does not run, a truncated checkpoint falls back to the previous one,
 a full disk removes the partial checkpoint and says so, a checkpoint of another world size is refused naming it, one
 trainer per run dir, summary.json counting the whole run, workers exiting with their launcher, and kill -9 + resume
-matching an uninterrupted run."""
+matching an uninterrupted run. Issue 44: a checkpoint tied to the cache, data and target it trained on (item 2);
+resuming an older checkpoint retires the later ones, and saves are staged (item 3)."""
 
 from __future__ import annotations
 
@@ -382,3 +383,73 @@ def test_a_checkpoint_that_names_no_cache_resumes_only_with_force(features, fini
     run_training(load_recipe(RECIPE, overrides + [f"train.run_dir={run_dir}", "train.max_steps=6"]), force=True,
                  show_progress=False)
     assert _steps(run_dir)[-1] == "step-6"
+
+
+# ---- issue 44, item 3: resuming an older checkpoint, and saves that never write over a checkpoint in place ----------
+
+
+def test_resuming_an_older_checkpoint_retires_the_later_ones(features, finished, tmp_path, capsys):
+    """Before: step-4 stayed beside the continuation from step-2, and a later automatic resume jumped back to it."""
+    _, overrides = features
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    _train(overrides, run_dir, "train.max_steps=3", "train.save_every=1", resume=str(run_dir / "checkpoints/step-2"))
+    out = capsys.readouterr().out
+    assert "its later checkpoints (step-4) were moved to" in out
+    assert _steps(run_dir) == ["step-2", "step-3"]
+    retired = list((run_dir / "previous-runs").glob("*-after-step-2/checkpoints/step-4"))
+    assert len(retired) == 1 and (retired[0] / "client_state.json").is_file()  # kept, not deleted
+    _train(overrides, run_dir, "train.max_steps=4", "train.save_every=1")  # auto: continues the new branch
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-3'} at step 3" in capsys.readouterr().out
+    assert _steps(run_dir) == ["step-3", "step-4"] and retired[0].is_dir()  # keep_last 2; the retired one kept
+
+
+def _process_group() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def test_a_save_that_fails_midway_leaves_the_existing_checkpoint_whole(tmp_path, monkeypatch):
+    """A save over an existing step-N used to write in place: DeepSpeed's files first, the client state last, so a
+    kill in between paired new model states with the old optimizer state and client state. Now the save is staged
+    and renamed into place; an interrupted one leaves the old checkpoint as it was and no staging directory."""
+    from types import SimpleNamespace
+
+    import mtp_train.fileio as fileio
+    from mtp_train.train import trainer
+
+    _process_group()
+    checkpoints = tmp_path / "checkpoints"
+    old = checkpoints / "step-4"
+    old.mkdir(parents=True)
+    (old / "mp_rank_00_model_states.pt").write_bytes(b"old model")
+    (old / "client_state.json").write_text(json.dumps({"step": 4, "run_id": "r"}))
+
+    class Engine:
+        def save_checkpoint(self, save_dir, tag, client_state, save_latest=True):
+            (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
+            (Path(save_dir) / tag / "mp_rank_00_model_states.pt").write_bytes(b"new model")
+
+    manifest = {"fingerprints": {"dataset": "d"}, "splits": {}}
+    run = SimpleNamespace(
+        world_size=1, is_main=True, checkpoint_dir=checkpoints, run_id="r", fingerprint="t", engine=Engine(),
+        train_reader=SimpleNamespace(state_dict=lambda: {}, manifest=manifest),
+        recipe=SimpleNamespace(features_dir=tmp_path / "features", target=SimpleNamespace(path="target"),
+                               train=SimpleNamespace(keep_last=3)))
+
+    def killed(path, value):  # the client state is written last: fail there, as a kill at that moment would
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(fileio, "write_json_atomic", killed)
+    with pytest.raises(OSError):
+        trainer.save_checkpoint(run, 4)
+    assert (old / "mp_rank_00_model_states.pt").read_bytes() == b"old model"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-4"]  # no staging directory left
+
+    monkeypatch.undo()
+    trainer.save_checkpoint(run, 4)  # complete: replaces the old one whole
+    assert (old / "mp_rank_00_model_states.pt").read_bytes() == b"new model"
+    assert json.loads((old / "client_state.json").read_text())["step"] == 4
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-4"]

@@ -226,6 +226,17 @@ def start_new_run(run_dir: Path) -> tuple[str, Path | None]:
     return run_id, backup
 
 
+def retire_checkpoints(run_dir: Path, checkpoints: list[CheckpointInfo], resumed_step: int) -> Path:
+    """Move `checkpoints` (a run's checkpoints after the older one it resumed) into
+    `previous-runs/<time>-after-step-<N>/checkpoints/`, each by one rename: kept, and out of auto-resume's way."""
+    backup = run_dir / PREVIOUS_RUNS_DIRNAME / (time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+                                                + f"-after-step-{resumed_step}") / "checkpoints"
+    backup.mkdir(parents=True, exist_ok=True)
+    for checkpoint in checkpoints:
+        os.replace(checkpoint.path, backup / checkpoint.path.name)
+    return backup.parent
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # saving: a full disk removes the partial checkpoint and says what to free
 # ---------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.features.format import cache_identity
-from mtp_train.fileio import read_json_object
+from mtp_train.fileio import read_json_object, replace_directory
 from mtp_train.recipe import flatten_recipe
 from mtp_train.train.checkpoints import (
     CheckpointInfo,
@@ -42,6 +42,7 @@ from mtp_train.train.checkpoints import (
     is_disk_full,
     read_checkpoint,
     read_run_id,
+    retire_checkpoints,
     run_checkpoints,
     start_new_run,
 )
@@ -413,6 +414,13 @@ def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool =
                       f"head were moved to {backup} (delete it when no longer needed)", flush=True)
         elif run_id[0] is not None and read_run_id(run.run_dir) != run_id[0]:
             atomic_write_text(run.run_dir / "run_id", run_id[0] + "\n")  # resumed one of its older checkpoints
+        if continues:  # this run's checkpoints after the one resumed belong to the abandoned continuation
+            newer = [c for c in run_checkpoints(run.checkpoint_dir, run_id[0]) if c.step > chosen.step]
+            if newer:
+                backup = retire_checkpoints(run.run_dir, newer, chosen.step)
+                print(f"train: resumed step {chosen.step} of this run, so its later checkpoints "
+                      f"({', '.join(c.path.name for c in newer)}) were moved to {backup}: a later automatic resume "
+                      "continues from here, not from them (delete that folder when no longer needed)", flush=True)
         save_resolved(run.recipe, run.run_dir)
         if chosen is not None:
             truncate_metrics(run.run_dir / "metrics.jsonl", start_step)
@@ -435,17 +443,30 @@ def save_checkpoint(run: TrainingRun, step: int, tag: str | None = None, tokens:
     rngs = [None] * run.world_size
     dist.all_gather_object(rngs, _rng_state())
     path = run.checkpoint_dir / tag
+    # Every rank writes into a hidden staging directory that replaces `path` only once complete (client state last):
+    # a kill mid-save leaves the previous `path` whole (a save over an existing step-N used to write in place, so a
+    # kill could pair new model states with old optimizer states), and auto-resume never sees the staging directory.
+    staged_tag = f".{tag}.saving"
+    staged = run.checkpoint_dir / staged_tag
+    if run.is_main and staged.exists():
+        shutil.rmtree(staged)  # left by a killed save
+    dist.barrier()
     try:
-        run.engine.save_checkpoint(str(run.checkpoint_dir), tag=tag, client_state={"rng": rngs})
+        run.engine.save_checkpoint(str(run.checkpoint_dir), tag=staged_tag, client_state={"rng": rngs},
+                                   save_latest=False)
         if run.is_main:
-            write_json_atomic(path / "client_state.json", {
+            write_json_atomic(staged / "client_state.json", {
                 "step": step, "run_id": run.run_id, "world_size": run.world_size, "tokens": tokens,
                 "reader": run.train_reader.state_dict(), "target_fingerprint": run.fingerprint,
                 "trained_on": trained_on(run)})
+        dist.barrier()  # every rank's files are in
+        if run.is_main:
+            replace_directory(staged, path)
     except (OSError, RuntimeError, UserError) as err:
+        if run.is_main:
+            shutil.rmtree(staged, ignore_errors=True)
         if not is_disk_full(err):
             raise
-        shutil.rmtree(path, ignore_errors=True)
         older = [c.path for c in run_checkpoints(run.checkpoint_dir, run.run_id)]
         raise UserError(disk_full_message(path, older)) from None
     if run.is_main:
