@@ -210,3 +210,85 @@ def check_output_dir(directory: str | os.PathLike[str], kind: str, option: str) 
                     f"of kind {kind} in it); refusing to write there or replace it, --force/--overwrite included: "
                     f"choose an empty or new directory for {option} (an output of an older mtp_train without the "
                     "marker: move it aside or delete it yourself)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one writer per output
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class OutputLock:
+    """An exclusive lock on the file `path` (flock: the kernel drops it when the holder dies, however it dies) for one
+    writer of an output. The file holds `pid host command` of the holder; `busy(who)` is the message a second writer
+    gets (`who`: "pid N on host H, `mtp-train ...`"). A file left by a holder that is gone is taken over with a note."""
+
+    def __init__(self, path: str | os.PathLike[str], busy, label: str = "mtp-train"):
+        self.path = Path(path)
+        self.busy = busy
+        self.label = label
+        self.stream = None
+
+    def acquire(self) -> OutputLock:
+        import fcntl
+        import socket
+        import sys
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        stream = open(self.path, "a+", encoding="utf-8", errors="replace")
+        try:
+            fcntl.flock(stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            stream.seek(0)
+            holder = stream.read()
+            stream.close()
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise UserError(f"{self.path}: cannot take the lock ({err})") from None
+            raise UserError(self.busy(_describe_holder(holder))) from None
+        stream.seek(0)
+        previous = stream.read()
+        if previous.strip():
+            print(f"{self.label}: taking over the lock {self.path} left by {_describe_holder(previous)}, which ended "
+                  "without releasing it", flush=True)
+        program = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("python")
+        program_name = f"python -m {program.parent.name}" if program.name == "__main__.py" else program.name
+        command = " ".join([program_name, *sys.argv[1:]])
+        stream.seek(0)
+        stream.truncate()
+        stream.write(f"{os.getpid()} {socket.gethostname()} {command}\n")
+        stream.flush()
+        self.stream = stream
+        return self
+
+    def release(self) -> None:
+        import fcntl
+
+        if self.stream is None:
+            return
+        try:
+            self.stream.seek(0)
+            self.stream.truncate()  # an empty file: released cleanly
+            fcntl.flock(self.stream.fileno(), fcntl.LOCK_UN)
+        except OSError:
+            pass
+        self.stream.close()
+        self.stream = None
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _describe_holder(text: str) -> str:
+    parts = text.split(maxsplit=2)
+    if len(parts) < 2:
+        return "another process"
+    command = f", `{parts[2].strip()}`" if len(parts) > 2 and parts[2].strip() else ""
+    return f"pid {parts[0]} on host {parts[1]}{command}"
+
+
+def sibling_lock_path(output: str | os.PathLike[str]) -> Path:
+    """`.<name>.lock` beside an output directory (outside it: the output itself is replaced whole)."""
+    output = Path(output)
+    return output.with_name(f".{output.name}.lock")

@@ -9,6 +9,8 @@ fp32 and in bf16, and a finished one ignored a new dtype.
 Item 8: a directory replace killed between its two renames (no output under its name, the old copy hidden as
 `.<name>.old-<pid>`) is undone by the next reader or writer of that output; before, only the asset builder cleaned
 such copies, and it deleted them.
+Item 5: one writer per output: a second prepare or precompute of the same output stops at once naming the first
+(pid, host, command), and eval does not log into a run whose trainer holds it.
 Item 6: precompute checks the prepared token ids against the target's vocabulary before it computes anything (before,
 an IndexError naming no sample) and stores no NaN or infinite state (before, stored unchecked)."""
 
@@ -27,9 +29,11 @@ from mtp_train.features.format import load_manifest
 from mtp_train.features.precompute import run_precompute
 from mtp_train.fileio import (
     OUTPUT_MARKER,
+    OutputLock,
     check_output_dir,
     output_kind,
     recover_replaced_directory,
+    sibling_lock_path,
     write_output_marker,
 )
 from mtp_train.recipe import load_recipe
@@ -88,7 +92,9 @@ def test_prepare_never_replaces_a_directory_it_did_not_write(pipeline, tmp_path,
     with pytest.raises(UserError, match=r"data.output_dir .*mydata: not empty and not written by mtp-train prepare"):
         prepare_dataset(recipe, force=force, show_progress=False)
     assert _unchanged(mine, files)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mydata"]  # no work or staging directory left behind
+    # no work or staging directory left behind; the lock file stays, empty (released)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".mydata.lock", "mydata"]
+    assert (tmp_path / ".mydata.lock").read_text() == ""
 
 
 def test_prepare_replaces_its_own_output(pipeline):
@@ -247,3 +253,58 @@ def test_a_copy_left_after_the_second_rename_is_removed_and_a_live_one_kept(tmp_
     live.mkdir()
     recover_replaced_directory(target)
     assert (target / "new.txt").read_text() == "new" and not stale.exists() and live.exists()
+
+
+# ---- item 5: one writer per output --------------------------------------------------------------------------------
+
+
+def _held(path: Path, what: str) -> OutputLock:
+    """The lock of `path` held as another run of `what` would hold it."""
+    return OutputLock(path, lambda who: f"held by {who}", label=what).acquire()
+
+
+def test_a_second_prepare_of_one_output_stops_naming_the_first(pipeline):
+    """Two `prepare --force` at once shared one staging directory."""
+    overrides, root = pipeline
+    recipe = load_recipe(RECIPE_PATH, overrides)
+    before = sorted(p.name for p in (root / "prepared").iterdir())
+    lock = _held(sibling_lock_path(root / "prepared"), "prepare")
+    try:
+        with pytest.raises(UserError, match=rf"another prepare \(pid {os.getpid()} on host .*, `python -m pytest"):
+            prepare_dataset(recipe, force=True, show_progress=False)
+    finally:
+        lock.release()
+    assert sorted(p.name for p in (root / "prepared").iterdir()) == before
+    assert not (root / ".prepared.work").exists()
+
+
+def test_a_second_precompute_of_one_cache_stops_before_touching_it(pipeline, tmp_path):
+    """A precompute's start-up cleanup removed another live precompute's temporary files; `--force` deleted its
+    cache under it."""
+    overrides, _ = pipeline
+    features = tmp_path / "features"
+    recipe = load_recipe(RECIPE_PATH, overrides + [f"precompute.output_dir={features}"])
+    run_precompute(recipe)
+    (features / "train" / ".shard-r0-000009.tmp-1").write_bytes(b"a live run's shard in progress")
+    lock = _held(sibling_lock_path(features), "precompute")
+    try:
+        for force in (False, True):
+            with pytest.raises(UserError, match=r"another precompute \(pid \d+ on host .*\) is writing this cache"):
+                run_precompute(recipe, force=force)
+    finally:
+        lock.release()
+    assert (features / "train" / ".shard-r0-000009.tmp-1").is_file() and (features / "manifest.json").is_file()
+
+
+def test_eval_does_not_log_into_a_run_that_is_training(tmp_path):
+    """`eval` appended its results to the metrics of a run whose trainer was still writing them."""
+    from mtp_train.commands.eval import run_evaluation
+    from mtp_train.train.checkpoints import RunDirLock
+
+    run_dir = tmp_path / "run"
+    with RunDirLock(run_dir):  # the trainer
+        with pytest.raises(UserError, match=r"another process is using this run dir .*eval would log into its "
+                                            r"metrics.jsonl"):
+            run_evaluation(None, head_dir=None, draft_dir=None, prompts_path=None, limit=None, ks=[1],
+                           max_new_tokens=1, out_dir=tmp_path / "eval", log_run_dir=run_dir)
+    assert not (run_dir / "metrics.jsonl").exists() and not (tmp_path / "eval").exists()

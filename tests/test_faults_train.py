@@ -208,12 +208,13 @@ def test_second_trainer_is_refused_and_a_stale_lock_taken_over(features, tmp_pat
     _, overrides = features
     run_dir = tmp_path / "locked"
     with RunDirLock(run_dir):
-        with pytest.raises(UserError, match=f"another trainer \\(pid {os.getpid()} on host {socket.gethostname()}\\)"):
+        with pytest.raises(UserError, match=f"another process is using this run dir \\(pid {os.getpid()} on host "
+                                            f"{socket.gethostname()}, `python -m pytest "):
             _train(overrides, run_dir, "train.max_steps=2")
     assert (run_dir / ".lock").read_text() == ""  # released
     (run_dir / ".lock").write_text("4194305 otherhost\n")  # left by a trainer that was killed
     _train(overrides, run_dir, "train.max_steps=2")
-    assert "taking over the lock of" in capsys.readouterr().out
+    assert "taking over the lock" in capsys.readouterr().out
 
 
 def test_summary_counts_the_whole_run_after_a_resume(features, tmp_path, capsys):

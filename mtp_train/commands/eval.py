@@ -84,6 +84,33 @@ def run_eval_command(args: argparse.Namespace) -> int:
 def run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_tokens, out_dir: Path,
                    log_run_dir: Path | None = None, show_progress: bool = True, prompt_lookup: bool = True,
                    batch_sizes: tuple[int, ...] = (1,), trees: tuple[str, ...] = ()) -> dict:
+    """`_run_evaluation`, holding the run dir's lock (`train.checkpoints.RunDirLock`'s file) where the results are
+    logged into a run: an eval never appends to the metrics of a run that is training (it stops at once, naming the
+    trainer), and a trainer never starts in a run an eval is logging into."""
+    import os
+
+    from mtp_train.fileio import OutputLock
+    from mtp_train.train.checkpoints import LOCK_FILENAME
+
+    def busy(who: str) -> str:
+        return (f"{log_run_dir}: another process is using this run dir ({who}), and eval would log into its "
+                "metrics.jsonl while it runs: wait for it, or evaluate a copy of the head (--head DIR), which logs "
+                "into no run")
+
+    leader = int(os.environ.get("RANK", "0")) == 0
+    logs = log_run_dir is not None and log_run_dir.is_dir() and leader
+    lock = OutputLock(log_run_dir / LOCK_FILENAME, busy, label="eval").acquire() if logs else None
+    try:
+        return _run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_tokens, out_dir,
+                               log_run_dir, show_progress, prompt_lookup, batch_sizes, trees)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_tokens, out_dir: Path,
+                    log_run_dir: Path | None, show_progress: bool, prompt_lookup: bool,
+                    batch_sizes: tuple[int, ...], trees: tuple[str, ...]) -> dict:
     """Load the target (in the precision `auto` resolves to) and the draft: the head at `head_dir` (a trainer's head/
     or any export format) or the model at `draft_dir`; then `evaluate`.
 

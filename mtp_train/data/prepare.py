@@ -48,11 +48,13 @@ from mtp_train.data.regenerate import GenerateFn, Message, RegenerationStats, re
 from mtp_train.data.templating import AssistantMaskRenderer, effective_chat_template, load_chat_tokenizer
 from mtp_train.errors import UserError
 from mtp_train.fileio import (
+    OutputLock,
     atomic_write_text,
     check_output_dir,
     read_json_object,
     recover_replaced_directory,
     replace_directory,
+    sibling_lock_path,
     write_output_marker,
 )
 from mtp_train.recipe import Recipe, recipe_hash, save_resolved
@@ -318,8 +320,23 @@ def prepare_dataset(
     (default when `data.regenerate.enabled`: the runtime's); ignored when regeneration is disabled.
 
     Work happens in the hidden sibling `.<output name>.work/`; on failure only the regeneration progress file is
-    kept there (so a rerun resumes it), on success the directory is removed.
+    kept there (so a rerun resumes it), on success the directory is removed. One prepare per output at a time: a
+    second one stops at once, naming the holder of `.<output name>.lock`.
     """
+    output_dir = recipe.prepared_dir
+
+    def busy(who: str) -> str:
+        return (f"data.output_dir {output_dir}: another prepare ({who}) is writing this dataset; wait for it, stop "
+                "it, or choose another data.output_dir")
+
+    with OutputLock(sibling_lock_path(output_dir), busy, label="prepare"):
+        return _prepare_locked(recipe, strict=strict, row_limit=row_limit, force=force, generate_fn=generate_fn,
+                               show_progress=show_progress)
+
+
+def _prepare_locked(recipe: Recipe, *, strict: bool, row_limit: int | None, force: bool,
+                    generate_fn: GenerateFn | None, show_progress: bool) -> PrepareResult:
+    """`prepare_dataset` with its output's lock held."""
     started = time.perf_counter()
     data = recipe.data
     output_dir = recipe.prepared_dir

@@ -34,7 +34,14 @@ from mtp_train.features.format import (
     shard_sha256_ok,
     write_shard,
 )
-from mtp_train.fileio import check_output_dir, read_json_object, write_json_atomic, write_output_marker
+from mtp_train.fileio import (
+    OutputLock,
+    check_output_dir,
+    read_json_object,
+    sibling_lock_path,
+    write_json_atomic,
+    write_output_marker,
+)
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
@@ -264,7 +271,39 @@ class _NoProgress:
 
 
 def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> Path:
-    """Compute (or finish) the feature cache of `recipe`; returns its directory. Collective under torchrun."""
+    """Compute (or finish) the feature cache of `recipe`; returns its directory. Collective under torchrun. One
+    precompute per cache at a time: rank 0 holds `.<cache name>.lock` beside it (pid, host, command), and a second
+    run stops at once naming the holder, before it deletes or writes anything (a killed run's cleanup of temporary
+    files could otherwise remove a live run's)."""
+    env = env or DistEnv.from_environ()
+    root = recipe.features_dir
+
+    def busy(who: str) -> str:
+        return (f"precompute.output_dir {root}: another precompute ({who}) is writing this cache; wait for it, stop "
+                "it, or choose another precompute.output_dir")
+
+    lock, refused = None, None
+    if env.rank == 0:
+        try:
+            lock = OutputLock(sibling_lock_path(root), busy, label="precompute").acquire()
+        except UserError as err:
+            refused = str(err)
+    dist = _init_distributed(env)
+    if dist is not None:  # every rank stops with rank 0's refusal instead of waiting for it at a barrier
+        box = [refused]
+        dist.broadcast_object_list(box, src=0)
+        refused = box[0]
+    if refused:
+        raise UserError(refused)
+    try:
+        return _run_precompute_locked(recipe, force, env, dist)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
+    """`run_precompute` with the cache's lock held by rank 0."""
     from mtp_train.data.prepared import load_prepared
     from mtp_train.fingerprint import target_fingerprint
     from mtp_train.recipe import save_resolved, with_precision
@@ -279,9 +318,7 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
         load_model_tensor_parallel,
     )
 
-    env = env or DistEnv.from_environ()
     layout = ParallelLayout(env.rank, env.world_size, recipe.target.tensor_parallel)
-    dist = _init_distributed(env)
     group = init_tensor_parallel(layout)
     # Shards, progress files and heartbeats belong to data-parallel groups: `writer` numbers them (== env without TP).
     writer = DistEnv(layout.dp_rank, layout.dp_size, env.local_rank)

@@ -10,19 +10,16 @@ them before DeepSpeed reads them, and one trainer per run dir.
   exactly the classes DeepSpeed (and our client state) store; anything else is refused naming the file.
 - Checks before loading: every file this rank will read exists and is a complete zip archive (CRC-checked), and the
   checkpoint's world size is this run's (ZeRO partitions the optimizer state per rank).
-- `RunDirLock`: an exclusive `flock` on `<run dir>/.lock`, holding the holder's pid and host.
+- `RunDirLock`: an exclusive `flock` on `<run dir>/.lock`, holding the holder's pid, host and command.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import json
 import os
 import pickle
 import shutil
-import socket
 import time
 import zipfile
 from dataclasses import dataclass
@@ -31,6 +28,7 @@ from pathlib import Path
 import torch
 
 from mtp_train.errors import UserError
+from mtp_train.fileio import OutputLock
 
 RUN_ID_FILENAME = "run_id"
 PREVIOUS_RUNS_DIRNAME = "previous-runs"
@@ -265,52 +263,11 @@ def disk_full_message(partial: Path, older: list[Path]) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class RunDirLock:
-    """An exclusive lock on `<run dir>/.lock` (flock: the kernel drops it when the holder dies, however it dies).
-    The file holds `pid host` of the holder; a file left by a holder that is gone is taken over with a note."""
+class RunDirLock(OutputLock):
+    """An exclusive lock on `<run dir>/.lock` (`fileio.OutputLock`: flock, the holder's pid, host and command): one
+    trainer per run dir, and no eval logging into a run that is training."""
 
     def __init__(self, run_dir: Path):
-        self.path = run_dir / LOCK_FILENAME
-        self.stream = None
-
-    def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        stream = open(self.path, "a+")
-        try:
-            fcntl.flock(stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            stream.seek(0)
-            holder = stream.read().split()
-            stream.close()
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise UserError(f"{self.path}: cannot lock the run dir ({err})") from None
-            who = f"pid {holder[0]} on host {holder[1]}" if len(holder) >= 2 else "another process"
-            raise UserError(f"{self.path.parent}: another trainer ({who}) is training in this run dir; wait for it, "
-                            "stop it, or use another train.run_dir") from None
-        stream.seek(0)
-        previous = stream.read().split()
-        if len(previous) >= 2:
-            print(f"train: taking over the lock of {self.path.parent} left by pid {previous[0]} on host "
-                  f"{previous[1]}, which ended without releasing it")
-        stream.seek(0)
-        stream.truncate()
-        stream.write(f"{os.getpid()} {socket.gethostname()}\n")
-        stream.flush()
-        self.stream = stream
-
-    def release(self) -> None:
-        if self.stream is None:
-            return
-        with contextlib.suppress(OSError):
-            self.stream.seek(0)
-            self.stream.truncate()  # an empty file: released cleanly
-            fcntl.flock(self.stream.fileno(), fcntl.LOCK_UN)
-        self.stream.close()
-        self.stream = None
-
-    def __enter__(self) -> RunDirLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+        super().__init__(run_dir / LOCK_FILENAME, label="train", busy=lambda who: (
+            f"{run_dir}: another process is using this run dir ({who}: a trainer, or an eval logging into it); wait "
+            "for it, stop it, or use another train.run_dir"))
