@@ -12,7 +12,8 @@ such copies, and it deleted them.
 Item 5: one writer per output: a second prepare or precompute of the same output stops at once naming the first
 (pid, host, command), and eval does not log into a run whose trainer holds it.
 Item 6: precompute checks the prepared token ids against the target's vocabulary before it computes anything (before,
-an IndexError naming no sample) and stores no NaN or infinite state (before, stored unchecked)."""
+an IndexError naming no sample) and stores no NaN or infinite state (before, stored unchecked); the tokenizer
+fingerprint covers tokenizer_config.json's id-relevant keys and added_tokens.json (before, left out)."""
 
 from __future__ import annotations
 
@@ -308,3 +309,32 @@ def test_eval_does_not_log_into_a_run_that_is_training(tmp_path):
             run_evaluation(None, head_dir=None, draft_dir=None, prompts_path=None, limit=None, ks=[1],
                            max_new_tokens=1, out_dir=tmp_path / "eval", log_run_dir=run_dir)
     assert not (run_dir / "metrics.jsonl").exists() and not (tmp_path / "eval").exists()
+
+
+def test_the_tokenizer_fingerprint_covers_what_changes_the_ids(pipeline, tmp_path):
+    """tokenizer_config.json (added tokens and their ids, bos/eos insertion) and added_tokens.json change which ids a
+    text becomes; before, the fingerprint left both out, so data tokenized otherwise passed as the same tokenizer.
+    Where the files were, and the padding side, do not change it."""
+    import json
+
+    from mtp_train.data.prepared import tokenizer_hash
+
+    overrides, _ = pipeline
+    target = Path(load_recipe(RECIPE_PATH, overrides).target.path)
+
+    def variant(name: str, edit=None, added: dict | None = None) -> str:
+        copy = tmp_path / name
+        shutil.copytree(target, copy)
+        config = json.loads((copy / "tokenizer_config.json").read_text())
+        if edit:
+            edit(config)
+        (copy / "tokenizer_config.json").write_text(json.dumps(config))
+        if added is not None:
+            (copy / "added_tokens.json").write_text(json.dumps(added))
+        return tokenizer_hash(copy, "template")
+
+    same = variant("same")
+    assert variant("moved", lambda c: c.update(name_or_path="/elsewhere", model_max_length=4096,
+                                               padding_side="left")) == same
+    assert variant("bos", lambda c: c.update(add_bos_token=not c.get("add_bos_token", False))) != same
+    assert variant("added", added={"<|tool|>": 9999}) != same

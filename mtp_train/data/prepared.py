@@ -16,6 +16,7 @@ Later stages import this module (never the `prepare` pipeline) and compare finge
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,16 +58,29 @@ def eval_split_of(source_id: str, seed: int, eval_fraction: float) -> str:
     return EVAL_SPLIT if position < eval_fraction else TRAIN_SPLIT
 
 
+# tokenizer_config.json keys that never change which ids a text becomes: where the files were (paths differ between
+# copies of one tokenizer), lengths and sides of padding/truncation, the chat template (hashed as the effective one)
+_TOKENIZER_CONFIG_IGNORED = frozenset({"name_or_path", "tokenizer_file", "special_tokens_map_file", "model_max_length",
+                                       "chat_template", "padding_side", "truncation_side", "auto_map"})
+
+
 def tokenizer_hash(tokenizer_dir: str | Path, chat_template: str | None) -> str:
-    """sha256 over the tokenizer's files (tokenizer.json first; the vocab files of other formats if present) and
-    the effective chat template text."""
+    """sha256 over what decides the tokenizer's ids: its vocabulary files (tokenizer.json first; the vocab files of
+    other formats if present), `added_tokens.json`, the keys of `tokenizer_config.json` that change tokenization
+    (added tokens and their ids, bos/eos insertion, prefix space, ...: all but `_TOKENIZER_CONFIG_IGNORED`), and the
+    effective chat template text."""
     hasher = hashlib.sha256()
     directory = Path(tokenizer_dir)
-    for name in TOKENIZER_FILES[:-1]:  # tokenizer_config.json carries paths and flags, not the vocabulary
+    for name in (*TOKENIZER_FILES[:-1], "added_tokens.json"):
         file_path = directory / name
         if file_path.is_file():
             hasher.update(name.encode() + b"\0")
             file_sha256(file_path, hasher)
+    config_path = directory / TOKENIZER_FILES[-1]
+    if config_path.is_file():
+        config = read_json_object(config_path, "the tokenizer's configuration")
+        relevant = {key: value for key, value in config.items() if key not in _TOKENIZER_CONFIG_IGNORED}
+        hasher.update(b"tokenizer_config\0" + json.dumps(relevant, sort_keys=True, default=str).encode("utf-8"))
     hasher.update(b"chat_template\0" + (chat_template or "").encode("utf-8"))
     return hasher.hexdigest()
 
