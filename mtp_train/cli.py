@@ -86,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"mtp-train {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk, a read-only or forbidden directory: said as what to do
+        from mtp_train.fileio import file_system_error
+
+        message = file_system_error(err)
+        if message is None or args.verbose:
+            raise
+        print(f"mtp-train {args.command}: error: {message}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"mtp-train {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -292,3 +292,28 @@ def sibling_lock_path(output: str | os.PathLike[str]) -> Path:
     """`.<name>.lock` beside an output directory (outside it: the output itself is replaced whole)."""
     output = Path(output)
     return output.with_name(f".{output.name}.lock")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the file system's refusals, said as what to do
+# ---------------------------------------------------------------------------------------------------------------
+
+_FILE_SYSTEM_ADVICE = {
+    errno.ENOSPC: "the disk is full: free space there (or point the output elsewhere) and rerun the same command",
+    errno.EDQUOT: "the disk quota is exhausted: free space there (or point the output elsewhere) and rerun the same "
+                  "command",
+    errno.EROFS: "the file system is read-only: point the output at a writable one",
+    errno.EACCES: "no permission: point the output at a directory you can write to, or fix its permissions",
+    errno.EPERM: "not permitted: point the output at a directory you can write to, or fix its permissions",
+}
+
+
+def file_system_error(err: BaseException) -> str | None:
+    """A one-line message for an OSError the file system raised where a stage wrote (full disk, quota, read-only file
+    system, no permission): the file, the reason and what to do, and that finished work is kept (every stage writes
+    through a temporary name and resumes). None for any other error (a bug's traceback stays a traceback)."""
+    if not isinstance(err, OSError) or err.errno not in _FILE_SYSTEM_ADVICE:
+        return None
+    where = err.filename or "a file it was writing (the system named none)"
+    return (f"{where}: {os.strerror(err.errno)}; {_FILE_SYSTEM_ADVICE[err.errno]}. Finished work is kept: a file or "
+            "directory being written when it failed is never left under its final name")

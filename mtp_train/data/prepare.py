@@ -400,11 +400,13 @@ def _prepare_locked(recipe: Recipe, *, strict: bool, row_limit: int | None, forc
         if regeneration_progress is not None and regeneration_progress.exists():
             shutil.copyfile(regeneration_progress, staging_dir / REGENERATED_FILENAME)
         replace_directory(staging_dir, output_dir)
-    except BaseException:
+    except BaseException as err:
         for scratch in (staging_dir, cache_dir):
             shutil.rmtree(scratch, ignore_errors=True)
         if work_dir.is_dir() and not any(work_dir.iterdir()):
             work_dir.rmdir()
+        if isinstance(err, OSError) and not err.filename:  # a full disk inside `datasets`: name where it wrote
+            err.filename = str(work_dir)
         raise
     shutil.rmtree(work_dir, ignore_errors=True)
     return PrepareResult(output_dir, stats_json, fingerprint, False)

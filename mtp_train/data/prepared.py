@@ -28,7 +28,8 @@ from mtp_train.fileio import file_sha256, read_json_object, recover_replaced_dir
 if TYPE_CHECKING:
     import datasets
 
-PREPARED_FORMAT_VERSION = 1
+# 2: the tokenizer hash covers tokenizer_config.json's id-relevant keys and added_tokens.json
+PREPARED_FORMAT_VERSION = 2
 TRAIN_SPLIT = "train"
 EVAL_SPLIT = "eval"
 SPLITS = (TRAIN_SPLIT, EVAL_SPLIT)
@@ -154,7 +155,8 @@ def load_prepared(directory: str | Path, *, verify: bool = False) -> PreparedDat
     if fingerprint.get("format_version") != PREPARED_FORMAT_VERSION:
         raise UserError(
             f"{root / FINGERPRINT_FILENAME}: format_version {fingerprint.get('format_version')!r}, expected "
-            f"{PREPARED_FORMAT_VERSION}; re-run `mtp-train prepare --force`"
+            f"{PREPARED_FORMAT_VERSION} (prepared by another version of mtp_train); re-run `mtp-train prepare "
+            "--force` (a directory without the .mtp_train-output.json marker: delete it first)"
         )
     loaded = {split: datasets.load_from_disk(str(root / split)) for split in SPLITS}
     if verify:

@@ -83,11 +83,15 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
         str(batch_size): batch_summary(by_method, len(prompt_set.prompts), batch_size)
         for batch_size, by_method in totals_by_batch.items()
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
     report["out_dir"] = str(out_dir)
-    write_json_atomic(out_dir / "report.json", report)
-    write_markdown(report, out_dir / "report.md")
-    plots = write_plots(report, out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out_dir / "report.json", report)
+        write_markdown(report, out_dir / "report.md")
+        plots = write_plots(report, out_dir)
+    except OSError as err:  # a full disk: name the report's directory where the writer (matplotlib) named no file
+        err.filename = err.filename or str(out_dir)
+        raise
     if log_run_dir is not None and log_run_dir.is_dir():
         _log_to_run(recipe, log_run_dir, report, plots)
     return report
