@@ -241,6 +241,10 @@ class OutputLock:
             stream.seek(0)
             holder = stream.read()
             stream.close()
+            if err.errno == errno.ENOLCK:
+                raise UserError(f"{self.path}: cannot take the lock: this file system offers no locks (an NFS mount "
+                                "without a lock service?); put this output on a file system that has them (a local "
+                                "disk, or NFS with lockd / NFSv4)") from None
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise UserError(f"{self.path}: cannot take the lock ({err})") from None
             raise UserError(self.busy(_describe_holder(holder))) from None

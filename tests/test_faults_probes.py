@@ -5,6 +5,8 @@
   directory, the reason and what to do (exit 2), with nothing half-written left under an output's name.
 - Data prepared by a version whose tokenizer fingerprint was computed otherwise was refused as "tokenized by another
   tokenizer" naming the same directory twice; it is now refused as an older prepared format.
+- An output on a file system without locks (NFS without a lock service) said only "cannot take the lock ([Errno
+  37] No locks available)"; it now says what the file system lacks and where to put the output instead.
 """
 
 from __future__ import annotations
@@ -92,6 +94,23 @@ def test_a_refusing_file_system_is_one_line_in_every_stage(pipeline, tmp_path, m
     assert _cli("train", overrides, "--set", f"train.run_dir={run_dir}") == 2
     err = capsys.readouterr().err
     assert f"mtp-train train: error: {run_dir / '.lock'}: " in err and advice in err and "Traceback" not in err
+
+
+def test_a_file_system_without_locks_is_named_with_what_to_do(pipeline, tmp_path, monkeypatch, capsys):
+    """An NFS mount without a lock service: flock fails with ENOLCK (was "cannot take the lock ([Errno 37] ...)")."""
+    import fcntl
+
+    _, overrides = pipeline
+    run_dir = tmp_path / "run"
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, __import__("os").strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert _cli("train", overrides, "--set", f"train.run_dir={run_dir}") == 2
+    err = capsys.readouterr().err
+    assert f"{run_dir / '.lock'}: cannot take the lock: this file system offers no locks" in err
+    assert "local disk" in err and "Traceback" not in err
 
 
 def test_a_bug_stays_a_traceback():
