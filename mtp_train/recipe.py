@@ -141,10 +141,36 @@ class DataSection(_Section):
     regenerate: RegenerateSection = Field(default_factory=RegenerateSection)
 
 
+class VllmEngineSection(_Section):
+    """vLLM as the target engine (`precompute.backend: vllm`): where vLLM lives and how it spreads the target. Every
+    key but `python` and `engine_args` is one of `vllm.LLM`'s own arguments, passed as named; null = vLLM's default."""
+
+    python: str | None = Field(
+        None, description="the interpreter that imports vllm; null = $MTP_TRAIN_VLLM_PYTHON, else .venv-vllm/bin/python "
+        "(make .venv-vllm/.installed: vLLM's CPU build), else this interpreter when it imports vllm")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the target's layers are split over")
+    pipeline_parallel_size: int = Field(1, ge=1, description="stages the target's layers are cut into")
+    quantization: str | None = Field(None, description="vLLM's quantization method (fp8, awq, gptq, ...); null = "
+                                     "what the checkpoint's config says")
+    kv_cache_dtype: str = Field("auto", description="vLLM's K/V cache dtype (auto = the compute dtype, fp8, ...)")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens per engine step")
+    max_model_len: int | None = Field(None, ge=2, description="null = the longest prepared sample + 1")
+    enforce_eager: bool = Field(False, description="no CUDA graphs / torch.compile (faster start, slower steps)")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="any other vllm.LLM argument, passed unchanged (e.g. "
+        "{distributed_executor_backend: ray})")
+
+
 class PrecomputeSection(_Section):
     """The feature cache: the target's hidden states for every prepared sample."""
 
     output_dir: str | None = Field(None, description="null = data/features/<name>")
+    backend: Literal["runtime", "vllm"] = Field(
+        "runtime", description="what runs the target: runtime = this package's (families it implements, torchrun "
+        "ranks, target.tensor_parallel); vllm = vLLM (any family vLLM serves, its parallelism: precompute.vllm), the "
+        "engine and numerics the head is served with")
+    vllm: VllmEngineSection = Field(default_factory=VllmEngineSection)
     storage_dtype: Literal["bfloat16", "float16", "float8_e4m3"] = "bfloat16"
     tokens_per_batch: int = Field(8192, ge=1, description="tokens per target forward")
     samples_per_shard: int = Field(512, ge=1)
@@ -582,6 +608,11 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] | None = None) -> str:
         if unknown:
             raise ValueError(f"unknown recipe section(s) {unknown}; expected some of {list(data)}")
         data = {name: data[name] for name in chosen}
+    return canonical_hash(data)
+
+
+def canonical_hash(data: dict[str, Any]) -> str:
+    """sha256 (hex) of the canonical JSON (sorted keys, compact) of `data`."""
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 

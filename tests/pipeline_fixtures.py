@@ -74,13 +74,15 @@ def tiny_recipe_overrides(root: Path, target: Path, source: Path, **extra) -> li
     return [f"{k}={v}" for k, v in overrides.items()]
 
 
-def tiny_pipeline(root: Path, num_conversations: int = 40, seed: int = 0, **extra):
-    """Returns (recipe, overrides) after running `prepare` into `root/prepared`."""
+def tiny_pipeline(root: Path, num_conversations: int = 40, seed: int = 0, target_overrides: dict | None = None,
+                  **extra):
+    """Returns (recipe, overrides) after running `prepare` into `root/prepared`; `target_overrides` change the tiny
+    target's config (`save_tiny_model`)."""
     from mtp_train.data.prepare import prepare_dataset
     from mtp_train.recipe import load_recipe
 
     root.mkdir(parents=True, exist_ok=True)
-    target = make_tiny_target(root / "target", seed=seed)
+    target = make_tiny_target(root / "target", seed=seed, **(target_overrides or {}))
     source = synthetic_sharegpt(root / "chats.jsonl", num_conversations, seed=seed)
     overrides = tiny_recipe_overrides(root, target, source, **extra)
     recipe = load_recipe(RECIPE_PATH, overrides)

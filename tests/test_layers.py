@@ -1,7 +1,7 @@
 """The package's layers: data flows one way, so no module imports from a layer above its own.
 
-runtime < heads < recipe/data/features/assets < train < evaluate < export < commands (and the `mtp-train` entry
-point). The shared base (errors, fileio, fingerprint) sits below everything. Every import counts, including the
+runtime, vllm_engine < heads < recipe/data/features/assets < train < evaluate < export < commands (and the
+`mtp-train` entry point). The shared base (errors, fileio, fingerprint) sits below everything. Every import counts, including the
 ones inside functions (the CLI keeps heavy imports lazy, so a top-level-only check would miss most of them).
 """
 
@@ -19,7 +19,7 @@ PACKAGE_DIR = Path(mtp_train.__file__).parent
 # Layer of each top-level part of the package (a subpackage or a module), lowest first.
 LAYERS: dict[str, int] = {
     "__init__": 0, "__main__": 8, "errors": 0, "fileio": 0, "fingerprint": 0, "cpu_kinds": 0,
-    "runtime": 1,
+    "runtime": 1, "vllm_engine": 1,
     "heads": 2,
     "recipe": 3, "data": 3, "features": 3, "assets": 3,
     "train": 4,

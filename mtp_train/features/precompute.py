@@ -45,6 +45,7 @@ from mtp_train.fileio import (
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
+VLLM_WORK_DIR = ".vllm"  # backend vllm: its worker's log and the per-sample files on their way
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,14 @@ def _split_lengths(dataset) -> list[int]:
     return column.value_lengths().to_pylist()
 
 
-def _target_argmax(model, hidden: torch.Tensor, storage_dtype: str, chunk_rows: int = 1024) -> torch.Tensor:
-    """[T] int64: argmax of the target's lm_head over H as stored (rounded to `storage_dtype` and back), so the
-    label matches what training recomputes from the cache; `chunk_rows` rows at a time ([rows, vocab] logits)."""
+def _target_argmax(weight: torch.Tensor, hidden: torch.Tensor, storage_dtype: str, chunk_rows: int = 1024
+                   ) -> torch.Tensor:
+    """[T] int64: argmax of the target's lm_head (`weight` [V, d]) over H as stored (rounded to `storage_dtype` and
+    back), so the label matches what training recomputes from the cache; `chunk_rows` rows at a time ([rows, vocab]
+    logits)."""
     from mtp_train.features.format import decode_hidden, encode_hidden
 
-    weight = model.lm_head.weight
+    hidden = hidden.to(weight.device)
     labels = []
     for chunk in hidden.split(chunk_rows):
         stored, scale = encode_hidden(chunk, storage_dtype)
@@ -86,8 +89,21 @@ def _target_argmax(model, hidden: torch.Tensor, storage_dtype: str, chunk_rows: 
     return torch.cat(labels)
 
 
+def _settings_hash(recipe) -> str:
+    """The hash of the precompute section; with the runtime backend without the backend's keys, so that caches
+    written before there was a choice of backend keep their fingerprint; with vLLM without where its interpreter
+    lives (its version is compared on its own)."""
+    from mtp_train.recipe import canonical_hash, recipe_to_dict
+
+    section = recipe_to_dict(recipe)["precompute"]
+    if section["backend"] == "runtime":
+        del section["backend"], section["vllm"]
+    else:
+        del section["vllm"]["python"]
+    return canonical_hash({"precompute": section})
+
+
 def _header(recipe, prepared, target_fp: str, world_size: int, hidden_size: int) -> dict[str, Any]:
-    from mtp_train.recipe import recipe_hash
 
     return {
         "format_version": FORMAT_VERSION,
@@ -95,7 +111,7 @@ def _header(recipe, prepared, target_fp: str, world_size: int, hidden_size: int)
             "target": target_fp,
             "tokenizer": prepared.fingerprint.get("tokenizer_hash"),
             "dataset": prepared.fingerprint.get("dataset_hash"),
-            "recipe": recipe_hash(recipe, ["precompute"])[:16],
+            "recipe": _settings_hash(recipe)[:16],
         },
         "target_path": str(recipe.target.path),
         "tokenizer_source": prepared.fingerprint.get("target_path"),
@@ -191,11 +207,13 @@ def _check_tokenizer(recipe, prepared) -> None:
 def _compare_headers(existing: dict[str, Any], current: dict[str, Any], where: Path) -> None:
     # target_dtype: the compute dtype as resolved (a cache whose shards mix bf16- and fp32-computed states would train
     # a head on two targets at once)
-    for key in ("format_version", "target_dtype", "storage_dtype", "hidden_size", "aux_layers", "target_argmax",
-                "world_size", "kv_dtype"):
-        if existing.get(key) != current.get(key):
+    defaults = {"backend": "runtime"}  # caches written before there was a choice of backend
+    for key in ("format_version", "backend", "vllm_version", "target_dtype", "storage_dtype", "hidden_size",
+                "aux_layers", "target_argmax", "world_size", "kv_dtype"):
+        if existing.get(key, defaults.get(key)) != current.get(key, defaults.get(key)):
             raise UserError(
-                f"{where}: existing cache has {key}={existing.get(key)!r}, this run {current.get(key)!r}; refusing to "
+                f"{where}: existing cache has {key}={existing.get(key, defaults.get(key))!r}, this run "
+                f"{current.get(key, defaults.get(key))!r}; refusing to "
                 "mix (use the same settings to resume, another precompute.output_dir, or --force to start over)"
             )
     for key, value in current["fingerprints"].items():
@@ -302,33 +320,102 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
             lock.release()
 
 
+class _RuntimeTarget:
+    """The target run by this package's runtime (optionally tensor-parallel over torchrun ranks): the same interface
+    as `vllm_target.VllmTarget`."""
+
+    def __init__(self, recipe, env: DistEnv, dist, layout, group):
+        from mtp_train.recipe import with_precision
+        from mtp_train.runtime.loader import resolve_device
+        from mtp_train.runtime.precision import resolve_precision
+        from mtp_train.runtime.tensor_parallel import describe, load_model_tensor_parallel
+
+        device = resolve_device(recipe.target.device)  # "cuda" without CUDA is an error, not a silent CPU run
+        if device.type == "cuda":
+            device = torch.device(f"cuda:{env.local_rank}")
+        precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
+        requested_target = recipe.target  # as the recipe sets it: `eval` resolves the served target's cache from these
+        self.recipe = with_precision(recipe, precision.dtype, precision.decode_dtype)
+        if env.rank == 0:
+            print(f"precompute: {precision.describe('prefill')}", flush=True)
+        model = load_model_tensor_parallel(recipe.target.path, group, dtype=precision.dtype, device=device)
+        if env.rank == 0 and layout.tensor_parallel > 1:
+            print(f"precompute: {describe(layout, model.config)}", flush=True)
+        model.kv_cache_dtype = _feature_kv_dtype(recipe.precompute.kv_dtype, requested_target, device, dist, env.rank)
+        # Rounded where the cache is narrower than the compute dtype (a model whose cache keeps its own dtype,
+        # DeepSeek's latents, says so through `kv_cache_torch_dtype`: never rounded).
+        self.kv_round = model.kv_cache_torch_dtype if model.kv_cache_torch_dtype != model.dtype else None
+        if env.rank == 0 and self.kv_round is not None:
+            print(f"precompute: keys and values rounded to {_dtype_name(self.kv_round)} before attention, as the K/V "
+                  f"cache the target decodes over holds them (precompute.kv_dtype: {recipe.precompute.kv_dtype})",
+                  flush=True)
+        self.model, self.device, self.layout = model, device, layout
+        self.dtype = precision.dtype
+        self.kv_dtype = _dtype_name(self.kv_round or model.dtype)  # the K/V the stored states attended over
+        self.lm_head_weight = model.lm_head.weight
+        self.aux_layers = tuple(recipe.precompute.aux_layers)
+
+    def header_fields(self) -> dict[str, Any]:
+        return {"backend": "runtime", "kv_dtype": self.kv_dtype,
+                "tensor_parallel": self.layout.tensor_parallel}  # informational: TP changes rounding, not layout
+
+    def peak_gflops(self) -> float | None:
+        """This rank's matmul ceiling (CPU), measured while all ranks start, as they run."""
+        if self.device.type != "cpu":
+            return None
+        from mtp_train.runtime.hardware import measure_matmul_gflops
+
+        return measure_matmul_gflops(self.model.dtype)
+
+    def forward(self, ids: list[torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(H [T, d], aux [T, len(aux_layers), d] or None); None on a follower of a tensor-parallel group."""
+        from mtp_train.runtime.attention import BatchInfo
+
+        out = self.model(torch.cat(ids).to(self.device),
+                         BatchInfo.without_cache(lengths, self.device, kv_dtype=self.kv_round),
+                         compute_logits=False, return_hidden=True, aux_layers=self.aux_layers)
+        if not self.layout.is_leader:  # its part of the group's forward is done
+            return None
+        aux = torch.stack([out.aux_hidden[j] for j in self.aux_layers], dim=1) if self.aux_layers else None
+        return out.hidden, aux
+
+    def flops(self, lengths: list[int], argmax_rows: int) -> float:
+        return self.model.prefill_flops(lengths, argmax_rows)
+
+    def close(self, abort: bool = False) -> None:
+        pass
+
+
 def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
     """`run_precompute` with the cache's lock held by rank 0."""
     from mtp_train.data.prepared import load_prepared
     from mtp_train.fingerprint import target_fingerprint
-    from mtp_train.recipe import save_resolved, with_precision
-    from mtp_train.runtime.attention import BatchInfo
     from mtp_train.runtime.config import load_config
-    from mtp_train.runtime.loader import resolve_device
-    from mtp_train.runtime.precision import resolve_precision
-    from mtp_train.runtime.tensor_parallel import (
-        ParallelLayout,
-        describe,
-        init_tensor_parallel,
-        load_model_tensor_parallel,
-    )
+    from mtp_train.runtime.tensor_parallel import ParallelLayout, init_tensor_parallel
 
+    pre = recipe.precompute
+    if pre.backend == "vllm" and (env.world_size > 1 or recipe.target.tensor_parallel > 1):
+        raise UserError("precompute.backend vllm runs one process and spreads the target with vLLM's own parallelism "
+                        "(precompute.vllm.tensor_parallel_size, pipeline_parallel_size): run it without torchrun "
+                        "and with target.tensor_parallel 1")
+    if pre.backend == "vllm" and pre.kv_dtype != "auto":
+        raise UserError(f"precompute.kv_dtype {pre.kv_dtype} is the runtime backend's; vLLM's K/V cache dtype is "
+                        "precompute.vllm.kv_cache_dtype")
     layout = ParallelLayout(env.rank, env.world_size, recipe.target.tensor_parallel)
     group = init_tensor_parallel(layout)
     # Shards, progress files and heartbeats belong to data-parallel groups: `writer` numbers them (== env without TP).
     writer = DistEnv(layout.dp_rank, layout.dp_size, env.local_rank)
-    pre = recipe.precompute
     root = recipe.features_dir
     prepared_dir = recipe.prepared_dir
     prepared = load_prepared(prepared_dir)
     splits = {"train": prepared.train, "eval": prepared.eval}
+    config = load_config(recipe.target.path)
     _check_tokenizer(recipe, prepared)  # before --force deletes anything and before any forward
-    _check_token_ids(splits, load_config(recipe.target.path).vocab_size, Path(prepared_dir), recipe.target.path)
+    _check_token_ids(splits, config.vocab_size, Path(prepared_dir), recipe.target.path)
+    num_layers = config.num_hidden_layers
+    bad_layers = [j for j in pre.aux_layers if j >= num_layers]
+    if bad_layers:
+        raise UserError(f"precompute.aux_layers: {bad_layers} out of range; the target has {num_layers} layers (0-based)")
     check_output_dir(root, "features", "precompute.output_dir")  # a directory precompute did not write: untouched
     _barrier(dist)  # every rank has checked before rank 0 deletes anything
 
@@ -336,32 +423,66 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
         shutil.rmtree(root)
     _barrier(dist)
 
-    device = resolve_device(recipe.target.device)  # "cuda" without CUDA is an error, not a silent CPU run
-    if device.type == "cuda":
-        device = torch.device(f"cuda:{env.local_rank}")
-    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
-    requested_target = recipe.target  # as the recipe sets it: `eval` resolves the served target's cache from these
-    recipe = with_precision(recipe, precision.dtype, precision.decode_dtype)
-    if env.rank == 0:
-        print(f"precompute: {precision.describe('prefill')}", flush=True)
-    model = load_model_tensor_parallel(recipe.target.path, group, dtype=precision.dtype, device=device)
-    if env.rank == 0 and layout.tensor_parallel > 1:
-        print(f"precompute: {describe(layout, model.config)}", flush=True)
-    model.kv_cache_dtype = _feature_kv_dtype(recipe.precompute.kv_dtype, requested_target, device, dist, env.rank)
-    # Rounded where the cache is narrower than the compute dtype (a model whose cache keeps its own dtype, DeepSeek's
-    # latents, says so through `kv_cache_torch_dtype`: never rounded).
-    kv_round = model.kv_cache_torch_dtype if model.kv_cache_torch_dtype != model.dtype else None
-    if env.rank == 0 and kv_round is not None:
-        print(f"precompute: keys and values rounded to {_dtype_name(kv_round)} before attention, as the K/V cache "
-              f"the target decodes over holds them (precompute.kv_dtype: {recipe.precompute.kv_dtype})", flush=True)
-    num_layers = model.config.num_hidden_layers
-    bad_layers = [j for j in pre.aux_layers if j >= num_layers]
-    if bad_layers:
-        raise UserError(f"precompute.aux_layers: {bad_layers} out of range; the target has {num_layers} layers (0-based)")
-    header = _header(recipe, prepared, target_fingerprint(recipe.target.path), writer.world_size,
-                     model.config.hidden_size)
-    header["kv_dtype"] = _dtype_name(kv_round or model.dtype)  # the K/V the stored states attended over
-    header["tensor_parallel"] = layout.tensor_parallel  # informational: TP changes the rounding, not the layout
+    split_lengths = {split: _split_lengths(ds) for split, ds in splits.items()}
+    if pre.backend == "vllm":
+        from mtp_train.features.vllm_target import VllmTarget
+        from mtp_train.recipe import with_precision
+
+        if _vllm_cache_is_complete(recipe, prepared, config, root):
+            return root
+        root.mkdir(parents=True, exist_ok=True)
+        write_output_marker(root, "features")
+        target = VllmTarget(recipe, config, root / VLLM_WORK_DIR, max(max(v, default=1) for v in split_lengths.values()))
+        print(f"precompute: starting vLLM ({target.capture.python}; its log: {target.capture.log_path})", flush=True)
+        try:
+            info = target.start(want_lm_head=pre.target_argmax)
+        except BaseException:
+            target.close(abort=True)
+            raise
+        print(f"precompute: vLLM {info['vllm']} on {info['device']}, computing in {info['dtype']}, K/V cache "
+              f"{target.kv_dtype}", flush=True)
+        recipe = with_precision(recipe, info["dtype"], recipe.target.decode_dtype)
+    else:
+        target = _RuntimeTarget(recipe, env, dist, layout, group)
+        recipe = target.recipe
+    try:
+        result = _compute(recipe, target, env, dist, layout, group, writer, prepared, splits, split_lengths,
+                          config.hidden_size, target_fingerprint(recipe.target.path))
+    except BaseException:
+        target.close(abort=True)  # an error or ^C: vLLM's engine ends now, not after its batch
+        raise
+    target.close()
+    return result
+
+
+def _vllm_cache_is_complete(recipe, prepared, config, root: Path) -> bool:
+    """A finished cache checked without starting vLLM (a minute or more): the engine's facts (the dtype `auto`
+    resolved to, vLLM's version, the K/V dtype) taken from its manifest, everything else compared as always."""
+    if not (root / MANIFEST_FILENAME).is_file():
+        return False
+    from mtp_train.fingerprint import target_fingerprint
+    from mtp_train.recipe import with_precision
+
+    manifest = load_manifest(root)
+    dtype = manifest.get("target_dtype") if recipe.target.dtype == "auto" else recipe.target.dtype
+    header = _header(with_precision(recipe, dtype, recipe.target.decode_dtype), prepared,
+                     target_fingerprint(recipe.target.path), 1, config.hidden_size)
+    header.update(backend="vllm", vllm_version=manifest.get("vllm_version"), kv_dtype=manifest.get("kv_dtype"))
+    _compare_headers(manifest, header, root / MANIFEST_FILENAME)
+    print(f"precompute: {root} is already complete ({_summary(manifest)}); nothing to do")
+    return True
+
+
+def _compute(recipe, target, env: DistEnv, dist, layout, group, writer: DistEnv, prepared, splits, split_lengths,
+             hidden_size: int, target_fp: str) -> Path:
+    """The shards this writer has left, computed by `target` and written; the manifest once all are done."""
+    from mtp_train.recipe import save_resolved
+
+    pre = recipe.precompute
+    root = recipe.features_dir
+    prepared_dir = recipe.prepared_dir
+    header = _header(recipe, prepared, target_fp, writer.world_size, hidden_size)
+    header.update(target.header_fields())
 
     if (root / MANIFEST_FILENAME).is_file():
         manifest = load_manifest(root)
@@ -399,7 +520,6 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
 
     work: list[tuple[str, int, list[int], list[int]]] = []  # (split, shard index, sample indices, lengths)
     total_tokens = done_tokens = 0
-    split_lengths = {split: _split_lengths(ds) for split, ds in splits.items()}
     for split, lengths in split_lengths.items():
         total_tokens += sum(lengths)  # all ranks: rank 0's bar shows the global view
         for index, shard in enumerate(plan_rank_shards(lengths, writer.rank, writer.world_size,
@@ -410,13 +530,8 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
             else:
                 work.append((split, index, shard, lengths))
 
-    peak_gflops = None
-    if work and device.type == "cpu":  # this rank's matmul ceiling, measured while all ranks start (as they run)
-        from mtp_train.runtime.hardware import measure_matmul_gflops
-
-        peak_gflops = measure_matmul_gflops(model.dtype)
+    peak_gflops = target.peak_gflops() if work else None
     progress = _GlobalProgress(root, writer, total_tokens, done_tokens) if layout.is_leader else _NoProgress()
-    aux_layers = tuple(pre.aux_layers)
     started = time.perf_counter()
     computed_tokens = 0
     computed_flops = 0.0
@@ -429,21 +544,15 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
                 ids = [torch.tensor(r, dtype=torch.int64) for r in rows["input_ids"]]
                 masks = [torch.tensor(m, dtype=torch.uint8) for m in rows["loss_mask"]]
                 batch_lengths = [len(t) for t in ids]
-                out = model(
-                    torch.cat(ids).to(device),
-                    BatchInfo.without_cache(batch_lengths, device, kv_dtype=kv_round),
-                    compute_logits=False,
-                    return_hidden=True,
-                    aux_layers=aux_layers,
-                )
-                if not layout.is_leader:  # a follower of a tensor-parallel group: its part of the forward is done
+                out = target.forward(ids, batch_lengths)
+                if out is None:  # a follower of a tensor-parallel group: its part of the forward is done
                     continue
-                aux_stack = torch.stack([out.aux_hidden[j] for j in aux_layers], dim=1) if aux_layers else None
-                _check_finite(out.hidden, aux_stack, batch_lengths, batch_indices, split, Path(prepared_dir),
-                              precision.dtype)
-                hidden_rows = out.hidden.cpu().split(batch_lengths)
+                hidden, aux_stack = out
+                _check_finite(hidden, aux_stack, batch_lengths, batch_indices, split, Path(prepared_dir),
+                              target.dtype)
+                hidden_rows = hidden.cpu().split(batch_lengths)
                 argmax_rows = (
-                    _target_argmax(model, out.hidden, pre.storage_dtype).cpu().split(batch_lengths)
+                    _target_argmax(target.lm_head_weight, hidden, pre.storage_dtype).cpu().split(batch_lengths)
                     if pre.target_argmax
                     else [None] * len(ids)
                 )
@@ -457,7 +566,7 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
                     )
                 progress.advance(sum(batch_lengths))
                 computed_tokens += sum(batch_lengths)
-                computed_flops += model.prefill_flops(batch_lengths, sum(batch_lengths) if pre.target_argmax else 0)
+                computed_flops += target.flops(batch_lengths, sum(batch_lengths) if pre.target_argmax else 0)
             if not layout.is_leader:
                 continue
             name = shard_name(split, writer.rank, index)
@@ -477,7 +586,7 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
         dist.all_gather_object(ranks, own)
     _barrier(dist)
     if env.rank == 0:
-        throughput = _throughput(ranks, precision.dtype)
+        throughput = _throughput(ranks, target.dtype)
         manifest = _merge_manifest(root, header, split_lengths, throughput)
         print(f"precompute: wrote {root} ({_summary(manifest)})")
         if throughput:
@@ -492,17 +601,20 @@ def _throughput(ranks: list[dict[str, Any]], dtype: str) -> dict[str, Any] | Non
     seconds = max(r["seconds"] for r in ranks)
     if not tokens or seconds <= 0:
         return None
-    gflops = sum(r["flops"] for r in ranks) / seconds / 1e9
+    flops = sum(r["flops"] for r in ranks)
+    gflops = flops / seconds / 1e9 if flops else None  # None: an engine whose work is not counted here (vLLM)
     peaks = [r["peak_gflops"] for r in ranks]
-    peak = sum(peaks) if all(p is not None for p in peaks) else None
+    peak = sum(peaks) if gflops is not None and all(p is not None for p in peaks) else None
     return {"compute_dtype": dtype, "tokens": tokens, "seconds": round(seconds, 2),
-            "tokens_per_s": round(tokens / seconds, 1), "gflops": round(gflops, 2),
+            "tokens_per_s": round(tokens / seconds, 1), "gflops": None if gflops is None else round(gflops, 2),
             "peak_gflops": None if peak is None else round(peak, 2),
             "fraction_of_peak": None if peak is None else round(gflops / peak, 4)}
 
 
 def _describe_throughput(t: dict[str, Any]) -> str:
-    line = f"{t['tokens']} tokens in {t['seconds']:.0f} s, {t['tokens_per_s']:.0f} tok/s, {t['gflops']:.1f} GFLOP/s"
+    line = f"{t['tokens']} tokens in {t['seconds']:.0f} s, {t['tokens_per_s']:.0f} tok/s"
+    if t.get("gflops") is not None:
+        line += f", {t['gflops']:.1f} GFLOP/s"
     if t.get("fraction_of_peak") is not None:
         line += (f" = {t['fraction_of_peak']:.0%} of the ranks' measured {t['compute_dtype']} matmul peak "
                  f"({t['peak_gflops']:.1f} GFLOP/s)")

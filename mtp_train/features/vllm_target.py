@@ -1,0 +1,106 @@
+"""The target of `precompute.backend: vllm`: vLLM's forward, our conventions for what is stored.
+
+The cache holds, per token, H (the last decoder layer's output after the final norm: what an MTP / EAGLE-1 head
+reads) and, for EAGLE-3, the outputs of the decoder layers `precompute.aux_layers` (0-based), exactly as the runtime
+backend stores them. vLLM captures residual streams by its own ids (k = the output of decoder layer k - 1, no final
+norm; docs/vllm-backend.md), so H is the target's final RMSNorm, read from its safetensors, applied here to id
+`num_hidden_layers`, and aux layer j is id j + 1. The lm_head (for `precompute.target_argmax`) is read the same way;
+nothing else of the target is loaded in this process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.runtime.frozen_parts import EMBED_KEY, FINAL_NORM_KEY, LM_HEAD_KEY, read_tensors
+from mtp_train.runtime.model import RMSNorm
+from mtp_train.vllm_engine.capture import VllmCapture
+
+VLLM_DTYPES = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def engine_args(section, max_sample_len: int) -> dict[str, Any]:
+    """`precompute.vllm` as `vllm.LLM` keyword arguments (null keys left to vLLM)."""
+    args = {"tensor_parallel_size": section.tensor_parallel_size,
+            "pipeline_parallel_size": section.pipeline_parallel_size,
+            "kv_cache_dtype": section.kv_cache_dtype,
+            "enforce_eager": section.enforce_eager,
+            "max_model_len": section.max_model_len or max_sample_len + 1}  # + the one token generated per sample
+    for key in ("quantization", "gpu_memory_utilization", "max_num_batched_tokens"):
+        value = getattr(section, key)
+        if value is not None:
+            args[key] = value
+    overlap = sorted(set(section.engine_args) & (set(args) | {"model", "dtype", "speculative_config",
+                                                                "kv_transfer_config", "skip_tokenizer_init"}))
+    if overlap:
+        raise UserError(f"precompute.vllm.engine_args: {', '.join(overlap)} set here; use the key of its own "
+                        "(precompute.vllm.<key>, target.dtype) or leave it to precompute")
+    return {**args, **section.engine_args}
+
+
+class VllmTarget:
+    """The target run by vLLM: `forward(ids, lengths)` -> (H [T, d], aux [T, len(aux_layers), d] or None), both in the
+    engine's compute dtype; `lm_head_weight` [V, d]; `info` what the engine reported (version, dtype, device)."""
+
+    def __init__(self, recipe, config, work_dir: Path, max_sample_len: int):
+        self.config = config
+        self.model_dir = recipe.target.path
+        self.aux_layers = tuple(recipe.precompute.aux_layers)
+        num_layers = config.num_hidden_layers
+        self.layer_ids = list(dict.fromkeys([num_layers, *(j + 1 for j in self.aux_layers)]))
+        self.capture = VllmCapture(recipe.target.path, VLLM_DTYPES[recipe.target.dtype], self.layer_ids, work_dir,
+                                   engine_args(recipe.precompute.vllm, max_sample_len), recipe.precompute.vllm.python)
+        self.info: dict[str, Any] = {}
+        self.norm: RMSNorm | None = None
+        self.lm_head_weight: torch.Tensor | None = None
+
+    def start(self, want_lm_head: bool) -> dict[str, Any]:
+        self.info = self.capture.start()
+        dtype = getattr(torch, self.info["dtype"])
+        d, vocab = self.config.hidden_size, self.config.vocab_size
+        shapes = {FINAL_NORM_KEY: (d,)}
+        head_key = EMBED_KEY if self.config.tie_word_embeddings else LM_HEAD_KEY
+        if want_lm_head:
+            shapes[head_key] = (vocab, d)
+        tensors = read_tensors(self.model_dir, shapes, dtype, torch.device("cpu"))
+        self.norm = RMSNorm(d, self.config.rms_norm_eps).to(dtype)
+        with torch.no_grad():
+            self.norm.weight.copy_(tensors[FINAL_NORM_KEY])
+        self.lm_head_weight = tensors.get(head_key)
+        return self.info
+
+    @property
+    def dtype(self) -> str:
+        return self.info["dtype"]
+
+    @property
+    def kv_dtype(self) -> str:
+        kv = self.info.get("kv_cache_dtype", "auto")
+        return self.dtype if kv == "auto" else kv
+
+    def header_fields(self) -> dict[str, Any]:
+        return {"backend": "vllm", "vllm_version": self.info["vllm"], "kv_dtype": self.kv_dtype,
+                "tensor_parallel": self.capture.engine_args["tensor_parallel_size"],
+                "pipeline_parallel": self.capture.engine_args["pipeline_parallel_size"]}
+
+    def peak_gflops(self) -> None:
+        return None  # vLLM's kernels and devices: only tokens/s is reported
+
+    def flops(self, lengths: list[int], argmax_rows: int) -> float:
+        return 0.0
+
+    def forward(self, ids: list[torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        states = self.capture.capture([t.tolist() for t in ids])  # each [T_i, layers, d]
+        stacked = torch.cat(states)  # [T, layers, d]
+        with torch.no_grad():
+            hidden = self.norm(stacked[:, 0])
+        if not self.aux_layers:
+            return hidden, None
+        aux = stacked[:, [self.layer_ids.index(j + 1) for j in self.aux_layers]]
+        return hidden, aux
+
+    def close(self, abort: bool = False) -> None:
+        self.capture.close(abort)

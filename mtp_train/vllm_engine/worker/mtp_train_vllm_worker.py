@@ -1,0 +1,114 @@
+"""A vLLM engine that captures a target's hidden states, driven by mtp_train over pipes. Runs in vLLM's interpreter
+(its own virtualenv, or any Python that imports vllm); imports vLLM, torch and safetensors, never mtp_train.
+
+Started by `mtp_train.vllm_engine.capture.VllmCapture`: its first stdin line is the engine's settings (JSON:
+`model`, `dtype`, `layer_ids`, `out_dir`, `engine_args`), then one request per line. Replies go to the file
+descriptor named by $MTP_TRAIN_REPLY_FD, one JSON object a line, so that vLLM's own output (on stdout and stderr, a
+log file of the caller's) never mixes with them:
+
+  -> {"ready": {"vllm": version, "dtype": the dtype the engine computes in, "kv_cache_dtype": ..., "device": ...}}
+  <- {"op": "capture", "samples": [[token ids], ...]}
+  -> {"files": [path, ...]}   one safetensors file a sample, in order: hidden_states [T, len(layer ids), hidden]
+                              (the engine's dtype, layer ids ascending) and token_ids [T]
+  -> {"error": "..."}         instead of either, then exit 1
+
+The end of stdin (the caller closed it) ends the worker cleanly; SIGTERM (the caller died, or aborts) ends it and
+every vLLM process under it at once."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import sys
+import traceback
+
+CONNECTOR_MODULE = "mtp_train_capture_connector"  # beside this file; the caller puts this directory on PYTHONPATH
+CONNECTOR_CLASS = "MtpTrainHiddenStatesConnector"
+
+
+def _engine(settings: dict):
+    from vllm import LLM
+
+    return LLM(
+        model=settings["model"],
+        dtype=settings["dtype"],
+        skip_tokenizer_init=True,  # prompts are token ids; nothing is detokenized
+        enable_prefix_caching=False,  # distinct samples: nothing to reuse, and no cached states to hand back
+        seed=0,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": settings["layer_ids"]}},
+        },
+        kv_transfer_config={
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": settings["out_dir"]},
+        },
+        **settings.get("engine_args", {}),
+    )
+
+
+def _wait_written(path: str) -> None:
+    """The connector holds an exclusive flock on `path`.lock until the file is written (the stock GPU path writes
+    from a thread after the request finished); take it shared once, then remove the lock file."""
+    lock = path + ".lock"
+    if os.path.exists(lock):
+        with open(lock) as stream:
+            fcntl.flock(stream, fcntl.LOCK_SH)
+        os.remove(lock)
+
+
+def _end_the_group(signum, frame) -> None:
+    """SIGTERM (sent by the kernel when the caller dies, or by the caller to abort): end the whole process group,
+    which the caller made this worker the leader of, so vLLM's engine processes end with it."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def main() -> int:
+    signal.signal(signal.SIGTERM, _end_the_group)
+    reply = os.fdopen(int(os.environ["MTP_TRAIN_REPLY_FD"]), "w", buffering=1)
+
+    def send(message: dict) -> None:
+        reply.write(json.dumps(message) + "\n")
+        reply.flush()
+
+    try:
+        settings = json.loads(sys.stdin.readline())
+        import vllm
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = _engine(settings)
+        config = llm.llm_engine.vllm_config
+        send({"ready": {"vllm": vllm.__version__, "dtype": str(config.model_config.dtype).removeprefix("torch."),
+                        "kv_cache_dtype": str(config.cache_config.cache_dtype),
+                        "device": str(config.device_config.device_type)}})
+        # One new token per sample: the prefill computes (and captures) every prompt position.
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        for line in sys.stdin:
+            request = json.loads(line)
+            if request.get("op") != "capture":
+                raise ValueError(f"unknown request {request.get('op')!r}")
+            prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["samples"]]
+            outputs = llm.generate(prompts, params, use_tqdm=False)  # in the order of the prompts
+            files = []
+            for output in outputs:
+                path = (output.kv_transfer_params or {}).get("hidden_states_path")
+                if path is None:
+                    raise RuntimeError(f"vLLM returned no hidden-states file for request {output.request_id}")
+                _wait_written(path)
+                files.append(path)
+            send({"files": files})
+    except Exception as err:  # said to the caller, which names the log holding the traceback
+        traceback.print_exc()
+        send({"error": f"{type(err).__name__}: {err}"})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""`precompute.backend: vllm`: the feature cache computed by vLLM (its CPU build, in its own virtualenv) is the
+runtime backend's cache, within storage rounding; it resumes after kill -9 as the runtime's does; misuse is refused.
+
+Needs vLLM's interpreter (`make .venv-vllm/.installed`; `make test` installs it and sets MTP_TRAIN_REQUIRE_VLLM=1,
+so that there a missing vLLM fails instead of skipping). A tiny random Llama whose head size vLLM's CPU attention
+takes (32), three layers, fp32."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mtp_train.errors import UserError
+from mtp_train.features.compare import compare_caches
+from mtp_train.features.format import load_manifest
+from mtp_train.features.precompute import run_precompute
+from mtp_train.features.verify import verify_features
+from mtp_train.recipe import load_recipe
+from tests.pipeline_fixtures import RECIPE_PATH, tiny_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_VLLM_TARGET = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+                    "num_key_value_heads": 2}
+AUX_LAYERS = "[0, 1, 2]"  # every decoder layer's output: vLLM ids 1..3, the last one also H's input
+VLLM = ["precompute.backend=vllm", "precompute.vllm.enforce_eager=true"]
+
+
+def _vllm_python() -> str:
+    from mtp_train.vllm_engine.capture import find_vllm_python
+
+    try:
+        return find_vllm_python(None)
+    except UserError as err:
+        if os.environ.get("MTP_TRAIN_REQUIRE_VLLM") == "1":
+            pytest.fail(f"MTP_TRAIN_REQUIRE_VLLM=1 and {err}")
+        pytest.skip(str(err))
+
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    _vllm_python()
+    root = tmp_path_factory.mktemp("vllm-backend")
+    _, overrides = tiny_pipeline(root, num_conversations=24, target_overrides=TINY_VLLM_TARGET,
+                                 **{"precompute.aux_layers": AUX_LAYERS, "precompute.kv_dtype": "float32"})
+    return root, overrides
+
+
+@pytest.fixture(scope="module")
+def caches(pipeline):
+    """(vLLM's cache, the runtime's cache) of the same prepared data, both computed in fp32."""
+    root, overrides = pipeline
+    runtime = run_precompute(load_recipe(RECIPE_PATH, overrides + [f"precompute.output_dir={root / 'runtime'}"]))
+    vllm_overrides = overrides + VLLM + ["precompute.kv_dtype=auto", f"precompute.output_dir={root / 'vllm'}"]
+    vllm = run_precompute(load_recipe(RECIPE_PATH, vllm_overrides))
+    return vllm, runtime, vllm_overrides
+
+
+def test_vllm_cache_is_the_runtime_cache_within_storage_rounding(caches):
+    vllm, runtime, _ = caches
+    result = compare_caches(vllm, runtime)
+    assert result.samples == 24 and result.tokens > 0
+    # fp32 both ways: different kernels, the same values up to fp32 round-off, then one bf16 rounding at storage
+    assert result.hidden.max_ulps <= 1.5 and result.hidden.mean_row_rel < 1e-4, result.hidden
+    assert result.aux_hidden is not None and result.aux_hidden.max_ulps <= 1.5, result.aux_hidden
+    assert result.argmax_agreement >= 0.999
+    manifest = load_manifest(vllm)
+    assert manifest["backend"] == "vllm" and manifest["vllm_version"] == "0.32.0"
+    assert manifest["target_dtype"] == "float32" and manifest["kv_dtype"] == "float32"
+    assert manifest["aux_layers"] == [0, 1, 2]
+    assert verify_features(vllm, progress=False).ok
+    assert not list((vllm / ".vllm").glob("states/*"))  # per-sample files removed as read
+
+
+def test_a_cache_of_one_backend_is_not_resumed_by_the_other(caches, pipeline):
+    vllm, _, _ = caches
+    _, overrides = pipeline
+    with pytest.raises(UserError, match="backend='vllm', this run 'runtime'"):
+        run_precompute(load_recipe(RECIPE_PATH, overrides + [f"precompute.output_dir={vllm}"]))
+
+
+def test_a_finished_cache_is_checked_without_starting_vllm(caches, capsys):
+    """No vLLM interpreter is needed to find a finished cache finished (starting the engine takes a minute)."""
+    vllm, _, vllm_overrides = caches
+    recipe = load_recipe(RECIPE_PATH, vllm_overrides + ["precompute.vllm.python=/nonexistent/python"])
+    assert run_precompute(recipe) == vllm
+    assert "is already complete" in capsys.readouterr().out
+    explicit = load_recipe(RECIPE_PATH, vllm_overrides + ["target.dtype=bfloat16"])
+    with pytest.raises(UserError, match="target_dtype='float32', this run 'bfloat16'"):
+        run_precompute(explicit)
+
+
+_CHILD = """
+import json, sys
+import mtp_train.features.precompute as precompute
+from mtp_train.recipe import load_recipe
+
+write_progress = precompute.write_json_atomic
+
+
+def write_then_wait(path, obj):
+    write_progress(path, obj)
+    print("SHARD_WRITTEN", len(obj["shards"]), flush=True)
+    sys.stdin.read()  # blocks until the test kills this process
+
+
+precompute.write_json_atomic = write_then_wait
+precompute.run_precompute(load_recipe(sys.argv[1], json.loads(sys.argv[2])))
+"""
+
+
+def _descendants(pid: int) -> set[int]:
+    found, frontier = set(), [pid]
+    while frontier:
+        parent = frontier.pop()
+        for status in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = status.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent:
+                child = int(status.parent.name)
+                found.add(child)
+                frontier.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def test_kill_9_then_resume_is_byte_identical_and_leaves_no_engine(caches, tmp_path):
+    vllm, _, vllm_overrides = caches
+    killed = tmp_path / "killed"
+    sets = vllm_overrides + [f"precompute.output_dir={killed}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(RECIPE_PATH), json.dumps(sets)], cwd=REPO, env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        while not lines or not (lines[-1].startswith("SHARD_WRITTEN") or lines[-1] == ""):  # "" = the child ended
+            lines.append(child.stdout.readline())
+        assert lines[-1].split() == ["SHARD_WRITTEN", "1"], lines
+        engine = _descendants(child.pid)
+        assert engine  # the vLLM worker (and its engine core)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 60
+    while _alive(engine) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive(engine), "vLLM's processes outlived the killed precompute"
+    assert not (killed / "manifest.json").exists()
+    assert len(list(killed.rglob("shard-*.safetensors"))) == 1
+
+    run_precompute(load_recipe(RECIPE_PATH, sets))
+    reference = {p.relative_to(vllm): p.read_bytes() for p in vllm.rglob("shard-*")}
+    resumed = {p.relative_to(killed): p.read_bytes() for p in killed.rglob("shard-*")}
+    assert len(reference) > 2 and resumed == reference
+    assert verify_features(killed, progress=False).ok
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["precompute.kv_dtype=bfloat16"], "precompute.kv_dtype bfloat16 is the runtime backend's"),
+    (["target.tensor_parallel=2"], "runs one process and spreads the target with vLLM's own parallelism"),
+    (["precompute.vllm.engine_args={max_model_len: 64}"], r"engine_args: max_model_len set here"),
+    (["precompute.vllm.python=/nonexistent/python"], "precompute.vllm.python /nonexistent/python: no such"),
+])
+def test_misuse_is_refused_before_anything_runs(pipeline, tmp_path, sets, message):
+    _, overrides = pipeline
+    recipe = load_recipe(RECIPE_PATH, overrides + VLLM + ["precompute.kv_dtype=auto",
+                                                          f"precompute.output_dir={tmp_path / 'cache'}", *sets])
+    with pytest.raises(UserError, match=message):
+        run_precompute(recipe)
+    assert not list((tmp_path / "cache").glob("*/shard-*"))
+
+
+def test_a_worker_that_fails_names_its_log(pipeline, tmp_path):
+    """vLLM refusing the model (here an engine argument it does not know) is a UserError naming the worker's log."""
+    _, overrides = pipeline
+    recipe = load_recipe(RECIPE_PATH, overrides + VLLM + [
+        "precompute.kv_dtype=auto", f"precompute.output_dir={tmp_path / 'cache'}",
+        "precompute.vllm.engine_args={no_such_engine_argument: 1}"])
+    with pytest.raises(UserError, match=r"vLLM failed: .*no_such_engine_argument.*its log: .*worker.log"):
+        run_precompute(recipe)
