@@ -281,6 +281,10 @@ class EvalSection(_Section):
     """Acceptance evaluation through the speculative inference path."""
 
     prompts: str | None = Field(None, description="MT-bench-style JSONL; null = the held-out split of `prepare`")
+    engine: Literal["ours", "vllm", "both"] = Field(
+        "ours", description="whose speculative decoding is measured: ours (this package's engine: chain, trees, "
+        "lookup, cost curve), vllm (the head exported in the format vLLM loads and served by vLLM: τ, acceptance, "
+        "speedup over vLLM's plain decoding; first turns; interpreter from precompute.vllm.python), or both")
     limit: int | None = Field(32, ge=1, description="prompts evaluated (null = all)")
     num_speculative_tokens: list[int] = Field(default_factory=lambda: [1, 2, 3], min_length=1)
     max_new_tokens: int = Field(128, ge=1)

@@ -33,7 +33,7 @@ VLLM = ["precompute.backend=vllm", "precompute.vllm.enforce_eager=true"]
 
 
 def _vllm_python() -> str:
-    from mtp_train.vllm_engine.capture import find_vllm_python
+    from mtp_train.vllm_engine.engine import find_vllm_python
 
     try:
         return find_vllm_python(None)
@@ -202,3 +202,34 @@ def test_a_worker_that_fails_names_its_log(pipeline, tmp_path):
         "precompute.vllm.engine_args={no_such_engine_argument: 1}"])
     with pytest.raises(UserError, match=r"vLLM failed: .*no_such_engine_argument.*its log: .*worker.log"):
         run_precompute(recipe)
+
+
+@pytest.mark.parametrize("kind", ["mtp"])
+def test_eval_in_vllm_beside_ours(caches, tmp_path, kind):
+    """A head trained on vLLM's features, exported in the format vLLM loads for its kind and served by vLLM on the
+    held-out prompts (`mtp-train eval --engine both`): vLLM's τ, acceptance per position and speedup in report.json
+    and report.md beside our engine's, and vLLM's greedy speculative output identical to its plain output."""
+    from mtp_train.cli import main
+    from mtp_train.train.trainer import run_training
+
+    vllm, _, vllm_overrides = caches
+    run_dir = tmp_path / "run"
+    sets = vllm_overrides + [f"train.run_dir={run_dir}", f"head.kind={kind}", "train.max_steps=24",
+                             "eval.cost_curve=false", "target.decode_dtype=float32"]
+    run_training(load_recipe(RECIPE_PATH, sets), show_progress=False)
+    out = tmp_path / "eval"
+    argv = ["eval", "--recipe", str(RECIPE_PATH), *(a for s in sets for a in ("--set", s)), "--engine", "both",
+            "--num-speculative-tokens", "2", "--limit", "3", "--max-new-tokens", "16", "--no-prompt-lookup",
+            "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    ours = report["overall"][f"{kind}@k=2"]
+    theirs = report["vllm"]["methods"][f"{kind}@k=2"]
+    assert report["vllm"]["vllm_version"] == "0.32.0" and 1 <= report["vllm"]["prompts"] <= 3
+    assert report["vllm"]["export"]["format"] == {"mtp": "vllm-mtp", "eagle3": "eagle3"}[kind]
+    assert theirs["outputs_identical_to_plain"], theirs
+    assert theirs["drafts"] > 0 and len(theirs["acceptance_per_position"]) == 2
+    assert 1.0 <= theirs["tau"] <= 3.0 and theirs["speedup"] > 0
+    assert ours["tau"] >= 1.0  # ours ran too, in the same report
+    markdown = (out / "report.md").read_text()
+    assert "## vLLM 0.32.0" in markdown and f"| {kind}@k=2 |" in markdown and "vllm serve" in markdown

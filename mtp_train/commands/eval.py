@@ -28,6 +28,9 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="N",
                    help="answer the prompts N at a time, for each N given (default: eval.batch_sizes, [1]); the "
                         "report adds τ, tokens/s and speedup per batch size and speedup_by_batch_size.png")
+    p.add_argument("--engine", choices=["ours", "vllm", "both"], default=None,
+                   help="whose speculative decoding is measured (default: eval.engine): ours, vllm (the head exported "
+                        "in vLLM's format and served by vLLM; plain and each k in an engine of their own), or both")
     p.add_argument("--out", default=None, help="report directory (default: <run_dir>/eval)")
     p.add_argument("--run-dir", default=None, help="log the results into this run's metrics.jsonl / W&B")
     p.add_argument("--no-prompt-lookup", action="store_true",
@@ -65,20 +68,64 @@ def run_eval_command(args: argparse.Namespace) -> int:
     batch_sizes = args.batch_size or list(recipe.eval.batch_sizes)
     if any(not 1 <= b <= MAX_EVAL_BATCH for b in batch_sizes) or len(set(batch_sizes)) != len(batch_sizes):
         raise UserError(f"--batch-size: expected distinct sizes in 1..{MAX_EVAL_BATCH}, got {batch_sizes}")
-    report = run_evaluation(
-        recipe, head_dir=head_dir, draft_dir=args.draft, prompts_path=args.prompts or recipe.eval.prompts,
-        limit=args.limit if args.limit is not None else recipe.eval.limit, ks=ks,
-        max_new_tokens=args.max_new_tokens or recipe.eval.max_new_tokens,
-        out_dir=Path(args.out) if args.out else run_dir / "eval",
-        log_run_dir=Path(args.run_dir) if args.run_dir else (run_dir if head_dir == str(run_dir / "head") else None),
-        prompt_lookup=not args.no_prompt_lookup, batch_sizes=tuple(batch_sizes), trees=tuple(args.tree or ()),
-    )
-    if not report.get("written", True):
-        return 0  # a follower rank of a tensor-parallel eval: rank 0 reports
-    best = report.get("best", {})
-    print(f"eval: plain {report['overall']['plain']['tokens_per_s']:.1f} tok/s; best {best.get('method')}: "
-          f"τ {best.get('tau', 0):.3f}, speedup {best.get('speedup', 0):.2f}×; report in {report['out_dir']}")
+    engine = args.engine or recipe.eval.engine
+    if engine != "ours" and not head_dir:
+        raise UserError("--engine vllm/both measures a head (vLLM serves a draft model otherwise); use --head")
+    prompts_path = args.prompts or recipe.eval.prompts
+    limit = args.limit if args.limit is not None else recipe.eval.limit
+    max_new_tokens = args.max_new_tokens or recipe.eval.max_new_tokens
+    out_dir = Path(args.out) if args.out else run_dir / "eval"
+    report = None
+    if engine in ("ours", "both"):
+        report = run_evaluation(
+            recipe, head_dir=head_dir, draft_dir=args.draft, prompts_path=prompts_path, limit=limit, ks=ks,
+            max_new_tokens=max_new_tokens, out_dir=out_dir,
+            log_run_dir=Path(args.run_dir) if args.run_dir else (run_dir if head_dir == str(run_dir / "head") else None),
+            prompt_lookup=not args.no_prompt_lookup, batch_sizes=tuple(batch_sizes), trees=tuple(args.tree or ()),
+        )
+        if not report.get("written", True):
+            return 0  # a follower rank of a tensor-parallel eval: rank 0 reports
+        best = report.get("best", {})
+        print(f"eval: plain {report['overall']['plain']['tokens_per_s']:.1f} tok/s; best {best.get('method')}: "
+              f"τ {best.get('tau', 0):.3f}, speedup {best.get('speedup', 0):.2f}×; report in {report['out_dir']}")
+    if engine in ("vllm", "both"):
+        section = _evaluate_in_vllm(recipe, head_dir, prompts_path, limit, ks, max_new_tokens, out_dir)
+        best = section["best"]
+        print(f"eval (vLLM {section['vllm_version']}): plain {section['plain']['tokens_per_s']:.1f} tok/s; best "
+              f"{best['method']}: τ {best['tau']:.3f}, speedup {best['speedup']:.2f}×; report in {out_dir}")
     return 0
+
+
+def _evaluate_in_vllm(recipe, head_dir: str, prompts_path, limit, ks, max_new_tokens, out_dir: Path) -> dict:
+    """The head served by vLLM on the eval prompts (their first turns), its section added to report.json and
+    report.md in `out_dir` (beside our engine's figures when they were just written there)."""
+    import json
+
+    from mtp_train.evaluate.prompts import load_heldout, load_mt_bench
+    from mtp_train.evaluate.runner import first_turn_ids
+    from mtp_train.export.vllm_eval import evaluate_in_vllm, markdown_lines
+    from mtp_train.fileio import atomic_write_text, write_json_atomic
+    from mtp_train.runtime.chat import stop_token_ids
+    from mtp_train.runtime.config import load_config
+    from mtp_train.runtime.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(recipe.target.path)
+    prompt_set = load_mt_bench(prompts_path, limit) if prompts_path else load_heldout(recipe.prepared_dir, limit)
+    prompts = [first_turn_ids(tokenizer, prompt) for prompt in prompt_set.prompts]
+    stops = sorted(stop_token_ids(tokenizer, load_config(recipe.target.path)))
+    section = evaluate_in_vllm(head_dir, recipe.target.path, prompts, stops, list(ks), max_new_tokens,
+                               out_dir / "vllm", dtype=recipe.target.dtype, python=recipe.precompute.vllm.python)
+    section["prompt_source"] = prompt_set.source + (" (first turns)" if prompts_path else "")
+    report_path, markdown_path = out_dir / "report.json", out_dir / "report.md"
+    report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.is_file() else {}
+    report["vllm"] = section
+    write_json_atomic(report_path, report)
+    markdown = markdown_path.read_text(encoding="utf-8") if markdown_path.is_file() else ""
+    marker = "\n## vLLM "
+    if marker in markdown:
+        markdown = markdown[: markdown.index(marker)]
+    atomic_write_text(markdown_path, markdown.rstrip() + "\n\n" + "\n".join(markdown_lines(section)) + "\n")
+    return section
 
 
 def run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_tokens, out_dir: Path,

@@ -1,16 +1,22 @@
-"""A vLLM engine that captures a target's hidden states, driven by mtp_train over pipes. Runs in vLLM's interpreter
-(its own virtualenv, or any Python that imports vllm); imports vLLM, torch and safetensors, never mtp_train.
+"""A vLLM engine driven by mtp_train over pipes. Runs in vLLM's interpreter (its own virtualenv, or any Python that
+imports vllm); imports vLLM, torch and safetensors, never mtp_train.
 
-Started by `mtp_train.vllm_engine.capture.VllmCapture`: its first stdin line is the engine's settings (JSON:
-`model`, `dtype`, `layer_ids`, `out_dir`, `engine_args`), then one request per line. Replies go to the file
+Started by `mtp_train.vllm_engine.engine.VllmWorker`: its first stdin line is the engine's settings (JSON: `mode`,
+`model`, `dtype`, `engine_args`, and per mode what follows), then one request per line. Replies go to the file
 descriptor named by $MTP_TRAIN_REPLY_FD, one JSON object a line, so that vLLM's own output (on stdout and stderr, a
 log file of the caller's) never mixes with them:
 
   -> {"ready": {"vllm": version, "dtype": the dtype the engine computes in, "kv_cache_dtype": ..., "device": ...}}
+  mode "capture" (settings `layer_ids`, `out_dir`): the target with the speculative method extract_hidden_states
   <- {"op": "capture", "samples": [[token ids], ...]}
   -> {"files": [path, ...]}   one safetensors file a sample, in order: hidden_states [T, len(layer ids), hidden]
                               (the engine's dtype, layer ids ascending) and token_ids [T]
-  -> {"error": "..."}         instead of either, then exit 1
+  mode "generate" (settings `speculative_config` or null, `hf_overrides` or null): greedy decoding, batch 1
+  <- {"op": "generate", "prompts": [[token ids], ...], "max_new_tokens": n, "stop_token_ids": [...]}
+  -> {"outputs": [[token ids], ...], "seconds": [per prompt]}
+  <- {"op": "metrics"}
+  -> {"metrics": {name: value or [values]}}   vLLM's vllm:spec_decode_* counters since the engine started
+  -> {"error": "..."}         instead of any reply, then exit 1
 
 The end of stdin (the caller closed it) ends the worker cleanly; SIGTERM (the caller died, or aborts) ends it and
 every vLLM process under it at once."""
@@ -22,13 +28,27 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 
 CONNECTOR_MODULE = "mtp_train_capture_connector"  # beside this file; the caller puts this directory on PYTHONPATH
 CONNECTOR_CLASS = "MtpTrainHiddenStatesConnector"
 
 
-def _engine(settings: dict):
+def _generation_engine(settings: dict):
+    from vllm import LLM
+
+    extra = {}
+    if settings.get("speculative_config"):
+        extra["speculative_config"] = settings["speculative_config"]
+    if settings.get("hf_overrides"):
+        extra["hf_overrides"] = settings["hf_overrides"]
+    return LLM(model=settings["model"], dtype=settings["dtype"], skip_tokenizer_init=True, seed=0,
+               disable_log_stats=False,  # the spec-decode counters
+               max_num_seqs=1, **extra, **settings.get("engine_args", {}))
+
+
+def _capture_engine(settings: dict):
     from vllm import LLM
 
     return LLM(
@@ -68,6 +88,30 @@ def _end_the_group(signum, frame) -> None:
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
+def _generate(llm, request: dict) -> dict:
+    """Greedy decoding, one prompt at a time (batch 1, as mtp_train's eval), each timed."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
+                            stop_token_ids=request.get("stop_token_ids") or None, detokenize=False)
+    outputs, seconds = [], []
+    for ids in request["prompts"]:
+        started = time.perf_counter()
+        result = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        seconds.append(time.perf_counter() - started)
+        outputs.append(list(result.outputs[0].token_ids))
+    return {"outputs": outputs, "seconds": seconds}
+
+
+def _spec_metrics(llm) -> dict:
+    metrics = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            metrics[metric.name] = list(metric.values) if hasattr(metric, "values") else metric.value
+    return metrics
+
+
 def main() -> int:
     signal.signal(signal.SIGTERM, _end_the_group)
     reply = os.fdopen(int(os.environ["MTP_TRAIN_REPLY_FD"]), "w", buffering=1)
@@ -82,7 +126,10 @@ def main() -> int:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = _engine(settings)
+        mode = settings.get("mode")
+        if mode not in ("capture", "generate"):
+            raise ValueError(f"unknown mode {mode!r}")
+        llm = _capture_engine(settings) if mode == "capture" else _generation_engine(settings)
         config = llm.llm_engine.vllm_config
         send({"ready": {"vllm": vllm.__version__, "dtype": str(config.model_config.dtype).removeprefix("torch."),
                         "kv_cache_dtype": str(config.cache_config.cache_dtype),
@@ -91,8 +138,15 @@ def main() -> int:
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         for line in sys.stdin:
             request = json.loads(line)
-            if request.get("op") != "capture":
-                raise ValueError(f"unknown request {request.get('op')!r}")
+            op = request.get("op")
+            if mode == "generate" and op == "generate":
+                send(_generate(llm, request))
+                continue
+            if mode == "generate" and op == "metrics":
+                send({"metrics": _spec_metrics(llm)})
+                continue
+            if mode != "capture" or op != "capture":
+                raise ValueError(f"request {op!r} in mode {mode!r}")
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["samples"]]
             outputs = llm.generate(prompts, params, use_tqdm=False)  # in the order of the prompts
             files = []
