@@ -97,3 +97,24 @@ def tiny_features(root: Path, num_conversations: int = 40, **extra):
     recipe, overrides = tiny_pipeline(root, num_conversations, **extra)
     run_precompute(recipe)
     return recipe, overrides
+
+
+# A precompute (argv: recipe path, JSON list of overrides) that prints "SHARD_WRITTEN n" after each progress file it
+# writes and then blocks, so that a test can kill it after its first shard (`python -c PRECOMPUTE_UNTIL_FIRST_SHARD`).
+PRECOMPUTE_UNTIL_FIRST_SHARD = """
+import json, sys
+import mtp_train.features.precompute as precompute
+from mtp_train.recipe import load_recipe
+
+write_progress = precompute.write_json_atomic
+
+
+def write_then_wait(path, obj):
+    write_progress(path, obj)
+    print("SHARD_WRITTEN", len(obj["shards"]), flush=True)
+    sys.stdin.read()  # blocks until the test kills this process
+
+
+precompute.write_json_atomic = write_then_wait
+precompute.run_precompute(load_recipe(sys.argv[1], json.loads(sys.argv[2])))
+"""

@@ -23,7 +23,7 @@ from mtp_train.features.verify import verify_features
 from mtp_train.fingerprint import target_fingerprint
 from mtp_train.recipe import load_recipe
 from tests.conftest_data import SMOLLM2_CHATML_TEMPLATE, build_tokenizer
-from tests.pipeline_fixtures import RECIPE_PATH, tiny_features
+from tests.pipeline_fixtures import PRECOMPUTE_UNTIL_FIRST_SHARD, RECIPE_PATH, tiny_features
 from tests.tiny_models import save_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,24 +131,6 @@ def test_damaged_manifest_is_named_by_verify_and_refused_by_the_reader(cache, tm
 
 # ---- precompute: SIGKILL after the first shard, then resume ----------------------------------------------------------
 
-_CHILD = """
-import json, sys
-import mtp_train.features.precompute as precompute
-from mtp_train.recipe import load_recipe
-
-write_progress = precompute.write_json_atomic
-
-
-def write_then_wait(path, obj):
-    write_progress(path, obj)
-    print("SHARD_WRITTEN", len(obj["shards"]), flush=True)
-    sys.stdin.read()  # blocks until the test kills this process
-
-
-precompute.write_json_atomic = write_then_wait
-precompute.run_precompute(load_recipe(sys.argv[1], json.loads(sys.argv[2])))
-"""
-
 
 @pytest.mark.slow
 def test_sigkill_after_first_shard_then_resume_is_byte_identical(cache, tmp_path):
@@ -156,7 +138,8 @@ def test_sigkill_after_first_shard_then_resume_is_byte_identical(cache, tmp_path
     killed = tmp_path / "killed"
     sets = overrides + [f"precompute.output_dir={killed}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(RECIPE_PATH), json.dumps(sets)], cwd=REPO, env=env,
+    child = subprocess.Popen([sys.executable, "-c", PRECOMPUTE_UNTIL_FIRST_SHARD, str(RECIPE_PATH), json.dumps(sets)],
+                             cwd=REPO, env=env,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         lines = []

@@ -23,7 +23,7 @@ from mtp_train.features.format import load_manifest
 from mtp_train.features.precompute import run_precompute
 from mtp_train.features.verify import verify_features
 from mtp_train.recipe import load_recipe
-from tests.pipeline_fixtures import RECIPE_PATH, tiny_pipeline
+from tests.pipeline_fixtures import PRECOMPUTE_UNTIL_FIRST_SHARD, RECIPE_PATH, tiny_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_VLLM_TARGET = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -99,25 +99,6 @@ def test_a_finished_cache_is_checked_without_starting_vllm(caches, capsys):
         run_precompute(explicit)
 
 
-_CHILD = """
-import json, sys
-import mtp_train.features.precompute as precompute
-from mtp_train.recipe import load_recipe
-
-write_progress = precompute.write_json_atomic
-
-
-def write_then_wait(path, obj):
-    write_progress(path, obj)
-    print("SHARD_WRITTEN", len(obj["shards"]), flush=True)
-    sys.stdin.read()  # blocks until the test kills this process
-
-
-precompute.write_json_atomic = write_then_wait
-precompute.run_precompute(load_recipe(sys.argv[1], json.loads(sys.argv[2])))
-"""
-
-
 def _descendants(pid: int) -> set[int]:
     found, frontier = set(), [pid]
     while frontier:
@@ -151,7 +132,8 @@ def test_kill_9_then_resume_is_byte_identical_and_leaves_no_engine(caches, tmp_p
     killed = tmp_path / "killed"
     sets = vllm_overrides + [f"precompute.output_dir={killed}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(RECIPE_PATH), json.dumps(sets)], cwd=REPO, env=env,
+    child = subprocess.Popen([sys.executable, "-c", PRECOMPUTE_UNTIL_FIRST_SHARD, str(RECIPE_PATH), json.dumps(sets)],
+                             cwd=REPO, env=env,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         lines = []
