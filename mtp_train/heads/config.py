@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from mtp_train.errors import UserError
@@ -24,6 +24,17 @@ def default_eagle3_aux_layers(num_hidden_layers: int) -> tuple[int, int, int]:
     of layers (1, L // 2 - 1, L - 4); e.g. (1, 14, 26) for SmolLM2-135M's 30 layers."""
     L = num_hidden_layers
     return (1, L // 2 - 1, L - 4)
+
+
+def eagle3_block_config(config: ModelConfig) -> ModelConfig:
+    """The decoder block of an EAGLE-3 head's midlayer over a target `config`: the block the engines build for an
+    EAGLE-3 draft, not a copy of the target's. vLLM 0.32 picks the draft class by the block's model_type: "qwen3"
+    (Eagle3Qwen3ForCausalLM: per-head q/k norms, no biases) for a Qwen3 target, "llama" (Eagle3LlamaForCausalLM: no
+    biases, no q/k norms, no sliding window, a SiLU MLP) for every other target, as SpecForge and speculators train
+    them. Shapes, norm epsilon and rope are the target's."""
+    style = "qwen3" if config.model_type == "qwen3" else "llama"
+    return replace(config, model_type=style, attention_bias=False, o_proj_bias=False, mlp_bias=False,
+                   qk_norm=style == "qwen3", sliding_window=None, hidden_act="silu", deepseek=None)
 
 
 @dataclass(frozen=True)
@@ -124,6 +135,11 @@ class HeadConfig:
         layers of this target."""
         head_config = HeadConfig(hidden_size=config.hidden_size, vocab_size=config.vocab_size,
                                  model_type=config.model_type, target_fingerprint=target_fingerprint, **options)
+        if not config.runtime_implemented and head_config.kind != "eagle3":
+            raise UserError(
+                f"head kind {head_config.kind!r}: its decoder block is the target's own, and our runtime does not "
+                f"implement a {config.model_type} block (vLLM runs this target for us); use head.kind: eagle3, whose "
+                "draft block is the Llama-style block vLLM serves for any target")
         deepseek = getattr(config, "deepseek", None)
         if deepseek is not None and head_config.init == "last_layer":
             target_moe = config.num_hidden_layers > deepseek.first_k_dense_replace

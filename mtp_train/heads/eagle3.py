@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp_train.heads.config import HeadConfig
+from mtp_train.heads.config import HeadConfig, eagle3_block_config
 from mtp_train.heads.draft_head import DraftHead
 from mtp_train.runtime.attention import AttentionBackend, BatchInfo
 from mtp_train.runtime.config import ModelConfig
@@ -32,9 +32,10 @@ from mtp_train.runtime.model import MLP, Attention, CausalLM, RMSNorm
 
 
 class Eagle3Layer(nn.Module):
-    """vLLM's EAGLE-3 `midlayer` (layer 0 of `Eagle3LlamaForCausalLM`): attention over cat(input_layernorm(embed),
-    hidden_norm(h)) (q/k/v projections of width 2d), h as the residual, then the usual post-attention norm and MLP.
-    Parameter names are the checkpoint's (`midlayer.` there, `layers.0.` here)."""
+    """vLLM's EAGLE-3 `midlayer` (layer 0 of `Eagle3LlamaForCausalLM` / `Eagle3Qwen3ForCausalLM`): attention over
+    cat(input_layernorm(embed), hidden_norm(h)) (q/k/v projections of width 2d), h as the residual, then the usual
+    post-attention norm and MLP. `config` is the block's (`eagle3_block_config`: Llama-style, or Qwen3-style for a
+    Qwen3 target). Parameter names are the checkpoint's (`midlayer.` there, `layers.0.` here)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -78,7 +79,7 @@ class Eagle3Head(DraftHead):
         d = config.hidden_size
         self.is_mtp = False
         self.fc = nn.Linear(len(head_config.aux_layers) * d, d, bias=False)
-        self.layers = nn.ModuleList([Eagle3Layer(config)])
+        self.layers = nn.ModuleList([Eagle3Layer(eagle3_block_config(config))])
         self.norm = RMSNorm(d, config.rms_norm_eps)
 
     @property

@@ -89,6 +89,10 @@ def check_head_state(
     if missing or unexpected:
         parts = [f"missing {', '.join(missing)}"] if missing else []
         parts += [f"unexpected {', '.join(unexpected)}"] if unexpected else []
+        if head_config.kind == "eagle3":
+            parts.append("an EAGLE-3 midlayer is the engines' draft block (Llama-style; Qwen3-style for a Qwen3 "
+                         "target), not a copy of the target's: a head trained with the target's biases or q/k norms "
+                         "must be trained again")
         raise UserError(
             f"{source}: tensor names do not match a {head_config.kind} head with {head_config.num_layers} "
             f"layer(s): {'; '.join(parts)}"

@@ -23,6 +23,25 @@ SUPPORTED_MODEL_TYPES = {
     "deepseek_v2": "DeepSeek-V2/V2-Lite (MLA + MoE, runtime/deepseek.py)",
     "deepseek_v3": "DeepSeek-V3/R1 (MLA + MoE with noaux_tc routing, runtime/deepseek.py)",
 }
+# model_type -> families vLLM runs for us (`precompute.backend: vllm`, `eval --engine vllm`) and our runtime does not:
+# an EAGLE-3 head (a Llama-style draft block, heads/config.eagle3_block_config) is trained over vLLM's features with
+# the target's frozen embeddings and lm_head. Each was checked (tests/test_vllm_families.py): vLLM captures its aux
+# layers (its model class supports EAGLE-3), its final norm is an RMSNorm over `model.norm.weight` whose output the
+# lm_head reads unscaled, its embeddings are unscaled, and vLLM serves an EAGLE-3 head for it.
+ENGINE_ONLY_MODEL_TYPES = {
+    "qwen3_moe": "Qwen3-MoE (30B-A3B, 235B-A22B)",
+    "phi3": "Phi-3/Phi-4 (fused qkv and gate/up)",
+    "apertus": "Apertus (xIELU MLP, q/k norms)",
+}
+# Families a user may try that are not in either list, with the reason (the generic refusal covers the rest).
+ENGINE_REFUSED_MODEL_TYPES = {
+    "mixtral": "vLLM's Mixtral class captures no auxiliary hidden states (no EAGLE-3 support), so neither "
+               "precompute.backend vllm nor an EAGLE-3 head in vLLM can run",
+    "gemma3": "Gemma's norms are RMSNorm(1 + w) and its embeddings are scaled by sqrt(d): neither is checked here",
+    "gemma3_text": "Gemma's norms are RMSNorm(1 + w) and its embeddings are scaled by sqrt(d): neither is checked here",
+    "granite": "Granite scales embeddings, residuals and logits (embedding_multiplier, logits_scaling): not checked "
+               "here",
+}
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
@@ -89,6 +108,23 @@ class ModelConfig:
     # The parsed transformers config: rotary init functions read their parameters from it.
     hf_config: Any = field(default=None, compare=False, repr=False)
 
+    @property
+    def runtime_implemented(self) -> bool:
+        """Whether our runtime builds this target (else vLLM runs it: ENGINE_ONLY_MODEL_TYPES)."""
+        return self.model_type in SUPPORTED_MODEL_TYPES
+
+
+def require_runtime(config: ModelConfig, source: Any) -> None:
+    """A UserError naming `source` when our runtime cannot build the target `config` (a family vLLM runs for us),
+    with what to use instead."""
+    if config.runtime_implemented:
+        return
+    raise UserError(
+        f"{source}: model_type {config.model_type!r} ({ENGINE_ONLY_MODEL_TYPES[config.model_type]}) is run by vLLM, "
+        f"not by our runtime (which implements {', '.join(SUPPORTED_MODEL_TYPES)}): set precompute.backend: vllm, "
+        "train an EAGLE-3 head (head.kind: eagle3) and measure it with `mtp-train eval --engine vllm`"
+    )
+
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
     if value is None:
@@ -121,9 +157,13 @@ def config_from_dict(raw: dict[str, Any], source: str) -> ModelConfig:
 def _parse(raw: dict[str, Any], config_path: Any, parse_hf: Callable[[], Any]) -> ModelConfig:
     """The checks and the ModelConfig of a raw config dict; `parse_hf()` gives transformers' parsed config."""
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    engine_only = model_type in ENGINE_ONLY_MODEL_TYPES
+    if model_type not in SUPPORTED_MODEL_TYPES and not engine_only:
         supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
-        raise UserError(f"{config_path}: model_type {model_type!r} is not supported; supported: {supported}")
+        through_vllm = ", ".join(f"{k} ({v})" for k, v in ENGINE_ONLY_MODEL_TYPES.items())
+        why = f" ({ENGINE_REFUSED_MODEL_TYPES[model_type]})" if model_type in ENGINE_REFUSED_MODEL_TYPES else ""
+        raise UserError(f"{config_path}: model_type {model_type!r} is not supported{why}; supported by our runtime: "
+                        f"{supported}; through vLLM (precompute.backend vllm, EAGLE-3 heads): {through_vllm}")
     if "quantization_config" in raw:
         raise UserError(
             f"{config_path}: quantization_config is set ({raw['quantization_config'].get('quant_method', '?')}); "
@@ -146,13 +186,15 @@ def _parse(raw: dict[str, Any], config_path: Any, parse_hf: Callable[[], Any]) -
             "cache cannot follow; supported: default, linear, llama3, yarn, longrope"
         )
     hidden_act = getattr(hf, "hidden_act", "silu")
-    if hidden_act not in SUPPORTED_ACTIVATIONS:
+    if hidden_act not in SUPPORTED_ACTIVATIONS and not engine_only:  # vLLM runs an engine-only target's MLP
         raise UserError(
             f"{config_path}: hidden_act {hidden_act!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
         )
     if getattr(hf, "pretraining_tp", 1) not in (None, 1):
         raise UserError(f"{config_path}: pretraining_tp={hf.pretraining_tp} is not supported; expected 1")
 
+    if engine_only:  # the target's block is vLLM's; only the shapes and what the head shares are ours
+        return _engine_only_config(model_type, hf, hidden_act, rope_type)
     sliding_window = None
     if model_type == "mistral":
         sliding_window = getattr(hf, "sliding_window", None)
@@ -189,6 +231,30 @@ def _parse(raw: dict[str, Any], config_path: Any, parse_hf: Callable[[], Any]) -
         bos_token_id=getattr(hf, "bos_token_id", None),
         eos_token_ids=_as_tuple(getattr(hf, "eos_token_id", None)),
         deepseek=deepseek,
+        hf_config=hf,
+    )
+
+
+def _engine_only_config(model_type: str, hf: Any, hidden_act: str, rope_type: str) -> ModelConfig:
+    """The ModelConfig of a target vLLM runs for us: shapes, norm epsilon, rope and token ids (what an EAGLE-3 head
+    over it reads); the block flags stay False, as no runtime block of this target is ever built."""
+    num_heads = hf.num_attention_heads
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        hidden_act=hidden_act,
+        rope_type=rope_type,
+        bos_token_id=getattr(hf, "bos_token_id", None),
+        eos_token_ids=_as_tuple(getattr(hf, "eos_token_id", None)),
         hf_config=hf,
     )
 

@@ -10,7 +10,7 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.fileio import read_json_object
 from mtp_train.runtime.attention import get_backend
-from mtp_train.runtime.config import ModelConfig, load_config
+from mtp_train.runtime.config import ModelConfig, load_config, require_runtime
 from mtp_train.runtime.model import CausalLM
 from mtp_train.runtime.precision import DECODE_ONLY_DTYPES, TORCH_DTYPES, Precision, apply_decode_weights
 
@@ -96,6 +96,7 @@ def load_model(
     if not model_dir.is_dir():
         raise UserError(f"{model_dir}: model directory not found (run `mtp-train fetch-assets` for the default model)")
     config: ModelConfig = load_config(model_dir)
+    require_runtime(config, model_dir / "config.json")
     device = resolve_device(device) if isinstance(device, str) else device
     torch_dtype = resolve_dtype(precision.dtype if precision is not None else dtype, device)
     state = load_state_dict(model_dir)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from mtp_train.errors import UserError
-from mtp_train.runtime.config import ModelConfig, load_config
+from mtp_train.runtime.config import ModelConfig, load_config, require_runtime
 from mtp_train.runtime.kv_cache import KVCache, PageAllocator
 from mtp_train.runtime.model import MLP, Attention, CausalLM
 
@@ -317,6 +317,7 @@ def load_model_tensor_parallel(model_dir: str | Path, group: TensorParallelGroup
     if not model_dir.is_dir():
         raise UserError(f"{model_dir}: model directory not found (run `mtp-train fetch-assets` for the default model)")
     config = load_config(model_dir)
+    require_runtime(config, model_dir / "config.json")
     if getattr(config, "deepseek", None) is not None:
         raise UserError(f"{SETTING}: {model_dir} is a DeepSeek (MLA/MoE) target, which has no tensor-parallel split "
                         "here; use tensor_parallel: 1")
