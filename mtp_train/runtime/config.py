@@ -193,53 +193,8 @@ def _parse(raw: dict[str, Any], config_path: Any, parse_hf: Callable[[], Any]) -
     if getattr(hf, "pretraining_tp", 1) not in (None, 1):
         raise UserError(f"{config_path}: pretraining_tp={hf.pretraining_tp} is not supported; expected 1")
 
-    if engine_only:  # the target's block is vLLM's; only the shapes and what the head shares are ours
-        return _engine_only_config(model_type, hf, hidden_act, rope_type)
-    sliding_window = None
-    if model_type == "mistral":
-        sliding_window = getattr(hf, "sliding_window", None)
-    elif model_type in ("qwen2", "qwen3") and getattr(hf, "use_sliding_window", False):
-        raise UserError(
-            f"{config_path}: use_sliding_window=true is not supported for {model_type} "
-            "(per-layer windows); expected false"
-        )
-
     num_heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-    deepseek = _deepseek_options(model_type, raw, hf, rope_params, rope_type, config_path) \
-        if model_type in DEEPSEEK_MODEL_TYPES else None
-    attention_bias = bool(getattr(hf, "attention_bias", False))
-    return ModelConfig(
-        model_type=model_type,
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_hidden_layers=hf.num_hidden_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=hf.rms_norm_eps,
-        max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        hidden_act=hidden_act,
-        attention_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
-        o_proj_bias=model_type in ("llama", "qwen3") and attention_bias,
-        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
-        sliding_window=sliding_window,
-        rope_type=rope_type,
-        bos_token_id=getattr(hf, "bos_token_id", None),
-        eos_token_ids=_as_tuple(getattr(hf, "eos_token_id", None)),
-        deepseek=deepseek,
-        hf_config=hf,
-    )
-
-
-def _engine_only_config(model_type: str, hf: Any, hidden_act: str, rope_type: str) -> ModelConfig:
-    """The ModelConfig of a target vLLM runs for us: shapes, norm epsilon, rope and token ids (what an EAGLE-3 head
-    over it reads); the block flags stay False, as no runtime block of this target is ever built."""
-    num_heads = hf.num_attention_heads
-    return ModelConfig(
+    shapes = dict(  # what every target's config gives; an engine-only target's config gives only these
         model_type=model_type,
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
@@ -256,6 +211,29 @@ def _engine_only_config(model_type: str, hf: Any, hidden_act: str, rope_type: st
         bos_token_id=getattr(hf, "bos_token_id", None),
         eos_token_ids=_as_tuple(getattr(hf, "eos_token_id", None)),
         hf_config=hf,
+    )
+    if engine_only:  # vLLM runs the target's block: no runtime block of it is built, its flags stay False
+        return ModelConfig(**shapes)
+    sliding_window = None
+    if model_type == "mistral":
+        sliding_window = getattr(hf, "sliding_window", None)
+    elif model_type in ("qwen2", "qwen3") and getattr(hf, "use_sliding_window", False):
+        raise UserError(
+            f"{config_path}: use_sliding_window=true is not supported for {model_type} "
+            "(per-layer windows); expected false"
+        )
+
+    deepseek = _deepseek_options(model_type, raw, hf, rope_params, rope_type, config_path) \
+        if model_type in DEEPSEEK_MODEL_TYPES else None
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    return ModelConfig(
+        **shapes,
+        attention_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
+        o_proj_bias=model_type in ("llama", "qwen3") and attention_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        sliding_window=sliding_window,
+        deepseek=deepseek,
     )
 
 
