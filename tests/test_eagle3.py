@@ -293,3 +293,26 @@ def test_export_refusals(target, target_dir, target4, target4_dir, tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=r"vLLM captures layer i's input: expected \[1, 2, 4\]"):
         load_any_head(out, target4)
+
+
+@pytest.mark.parametrize("arch, block", [("qwen2", "llama"), ("qwen3", "qwen3"), ("mistral", "llama")])
+def test_draft_block_is_the_engines_not_the_targets(tmp_path, arch, block):
+    """A Qwen2 target's biases and a Mistral target's window are not copied into the midlayer (vLLM's Llama EAGLE-3
+    draft has neither); a Qwen3 target gets vLLM's Qwen3-style draft (q/k norms). Each exports and loads back."""
+    from mtp_train.export import export_head, load_any_head
+    from mtp_train.heads import save_head
+    from mtp_train.runtime.loader import load_model
+
+    overrides = {"sliding_window": 8} if arch == "mistral" else {}
+    target_dir = save_tiny_model(tmp_path / "target", arch, seed=1, num_hidden_layers=4, **overrides)
+    target = load_model(target_dir, dtype="float32", device="cpu")
+    head = _head(target)
+    names = set(head.state_dict())
+    assert not any(name.endswith(".bias") for name in names)
+    assert ("layers.0.self_attn.q_norm.weight" in names) == (block == "qwen3")
+    save_head(head, tmp_path / "head")
+    out = export_head(tmp_path / "head", "eagle3", tmp_path / "out", target_dir)
+    layer = json.loads((out / "config.json").read_text())["transformer_layer_config"]
+    assert layer["model_type"] == block and "sliding_window" not in layer and not layer["attention_bias"]
+    loaded = load_any_head(out, target)
+    assert set(loaded.state_dict()) - {"d2t", "t2d"} == names - {"d2t", "t2d"}

@@ -287,11 +287,16 @@ class ExportFormat:
             ours = self.layout(config, Path("."))[2].to_dict()
         except UserError as err:
             return problems + [str(err)]
-        theirs = target.shape.to_dict()
+        theirs = self.block_shape(target).to_dict()
         diff = sorted(key for key in ours if key != "model_type" and ours[key] != theirs[key])  # model_type: above
         if diff:
             problems.append(f"{source}: layer shape differs from the target's in {', '.join(diff)}")
         return problems + self.format_target_problems(config, target)
+
+    def block_shape(self, target: Target) -> LayerShape:
+        """The layer shape a head of this format has over `target`: the target's own decoder layer (eagle3: the
+        engines' draft block)."""
+        return target.shape
 
     def to_native(
         self, tensors: dict[str, torch.Tensor], config: dict[str, Any], directory: Path

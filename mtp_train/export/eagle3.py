@@ -202,6 +202,9 @@ class Eagle3Format(ExportFormat):
             )
         return problems
 
+    def block_shape(self, target):
+        return LayerShape.of(eagle3_block_config(target.config))
+
     def target_fields(self, config):
         layer = config.get(_LAYER) or {}
         return {key: layer.get(key) for key in ("hidden_size", "vocab_size")}, f"{_LAYER}."
