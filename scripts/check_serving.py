@@ -19,11 +19,11 @@ The head of each case's kind (`find_heads`): the entry of that kind in HEAD=<dir
 head/; each entry's kind is read from its head_config.json), else the run `make demo` (or the kind's recipe) makes
 (RECIPES: runs/smollm2-135m-mtp, runs/smollm2-135m-eagle3), else a short run of the kind's recipe
 (`train_short_heads`: SHORT_DATA / SHORT_TRAIN overrides; the kinds share one prepared data set and one feature cache
-that stores every aux layer the recipes read). A head with a reduced draft vocabulary is exported with --full-vocab
-where the layout has none (vLLM's MiMoMTP), and our side is evaluated on that same export, so both engines run the
-same head; EAGLE-3 keeps it (d2t/t2d).
+that stores every aux layer the recipes read). A head with a reduced draft vocabulary is exported drafting over the
+full vocabulary where the layout has none (vLLM's MiMoMTP; `export_head` does so by itself), and our side is
+evaluated on that same export, so both engines run the same head; EAGLE-3 keeps it (d2t/t2d).
 
-One more case is one line in CASES (a kind, a format, the vLLM speculative method, whether it needs --full-vocab) and,
+One more case is one line in CASES (a kind, a format, the vLLM speculative method, the target's hf_overrides) and,
 for a new kind, one line in RECIPES.
 
 OPTIONAL_CASES are checked only when CASES names them: `deepseek-mtp` serves a DeepSeek-V3 target (MLA + MoE, vLLM's
@@ -100,8 +100,7 @@ DEEPSEEK_SETS = [f"name={DEEPSEEK_NAME}", "data.max_samples=200", "data.eval_fra
 
 @dataclass(frozen=True)
 class Case:
-    """One (head kind, export format) that vLLM serves: `method` is vLLM's speculative_config method; `full_vocab`:
-    export a reduced draft vocabulary as the full one (the layout has none); `hf_overrides`: what the target's config
+    """One (head kind, export format) that vLLM serves: `method` is vLLM's speculative_config method; `hf_overrides`: what the target's config
     needs for this method (`LLM(hf_overrides=...)`); `own_target`: the case brings its own target and head
     (`deepseek_head`; HEAD does not apply to it); `k`: speculative tokens unless --k says; `mask_position_0`: compare
     vLLM with our eval run as vLLM's MTP layer computes (`masked_mtp_train`: the token embedding zeroed at position
@@ -110,7 +109,6 @@ class Case:
     kind: str
     format: str
     method: str
-    full_vocab: bool
     hf_overrides: dict | None = None
     own_target: bool = False
     k: int | None = None
@@ -122,9 +120,9 @@ class Case:
 
 
 CASES = [
-    Case("mtp", "vllm-mtp", "mtp", full_vocab=True, hf_overrides={"num_nextn_predict_layers": 1}),
+    Case("mtp", "vllm-mtp", "mtp", hf_overrides={"num_nextn_predict_layers": 1}),
     # EAGLE-1 (`eagle`, method "eagle") needs a head trained with head.fc_bias: false; no recipe trains one.
-    Case("eagle3", "eagle3", "eagle3", full_vocab=False),  # the draft vocabulary kept (d2t)
+    Case("eagle3", "eagle3", "eagle3"),  # the draft vocabulary kept (d2t)
 ]
 # Checked only when CASES names them.
 OPTIONAL_CASES = [
@@ -141,7 +139,7 @@ OPTIONAL_CASES = [
     # position 0, as not needed by MTP"); our heads do not. The agreeing head (a copy of the target's attention block)
     # attends to that row from every position, so it moves acceptance by ~0.04 here (0.464 unmasked, 0.4215 masked,
     # vLLM 0.419): the check compares vLLM with our eval under that mask and reports our unmasked figure too.
-    Case("mtp", "deepseek-mtp", "mtp", full_vocab=False, hf_overrides={"num_nextn_predict_layers": 1},
+    Case("mtp", "deepseek-mtp", "mtp", hf_overrides={"num_nextn_predict_layers": 1},
          own_target=True, k=1, mask_position_0=True),
 ]
 
@@ -551,7 +549,7 @@ def check_case(case: Case, source: HeadSource, args, plain_runs: dict[str, dict]
     prepared_dir = Path(sets[1].split("=", 1)[1])
     started = time.perf_counter()
     export_dir = export_head(source.head_dir, case.format, work / "export", target_dir, dtype="float32",
-                             overwrite=True, num_speculative_tokens=k, full_vocab=case.full_vocab)
+                             overwrite=True, num_speculative_tokens=k)
     timer.add(f"export ({case.name})", started)
 
     started = time.perf_counter()

@@ -78,24 +78,46 @@ def main() -> int:
     return 0
 
 
-def _export_all(head_dir: Path, target: str, exports_dir: Path, timings: dict[str, float]) -> dict[str, str]:
-    """Every format; a format that cannot hold this head records the refusal (it names what would be lost)."""
+def _export_all(head_dir: Path, target: str, exports_dir: Path, timings: dict[str, float]) -> dict:
+    """Every format: {"written": {format: directory}, "refused": {format: the reason in one line}, "vllm": the
+    `vllm serve` command of the export vLLM loads for this head (None if none was written)}."""
     from mtp_train.errors import UserError
     from mtp_train.export import FORMAT_NAMES
     from mtp_train.export.exporter import export_head
+    from mtp_train.export.measured_settings import find_measured_settings, serving_num_speculative_tokens
+    from mtp_train.export.registry import get_format
+    from mtp_train.export.vllm_serving import VLLM_FORMATS, vllm_serve_arguments, vllm_serve_command
+    from mtp_train.heads.io import read_head_config
 
     print("\n=== export: " + ", ".join(FORMAT_NAMES), flush=True)
     started = time.perf_counter()
-    exports = {}
+    kind = read_head_config(head_dir).kind
+    written, refused = {}, {}
     for name in FORMAT_NAMES:
         try:
-            out = export_head(head_dir, name, exports_dir / name, target, overwrite=True)
-            exports[name] = str(out)
+            written[name] = str(export_head(head_dir, name, exports_dir / name, target, overwrite=True))
+            print(f"  {name}: {written[name]}", flush=True)
         except UserError as err:
-            exports[name] = f"refused: {err}"
-        print(f"  {name}: {exports[name]}", flush=True)
+            refused[name] = _refusal_line(get_format(name), kind, str(err))
+            print(f"  {name}: refused: {err}", flush=True)
     timings["export"] = time.perf_counter() - started
-    return exports
+    command = None
+    vllm_format = VLLM_FORMATS.get(kind, (None,))[0]
+    if vllm_format in written:
+        k, k_source = serving_num_speculative_tokens(find_measured_settings(head_dir, None)[0], None)  # as exported
+        serve = vllm_serve_arguments(kind, str(Path(written[vllm_format]).resolve()), str(Path(target).resolve()), k)
+        command = vllm_serve_command(serve, multiline=True)
+    return {"written": written, "refused": refused, "vllm_format": vllm_format, "vllm": command,
+            "vllm_k": None if command is None else f"k = {k}: {k_source}"}
+
+
+def _refusal_line(fmt, kind: str, message: str) -> str:
+    """One line for the summary: what the format holds when it is another kind's, else the reason's first clause
+    (the whole message is in the export stage's output)."""
+    if kind not in fmt.kinds:
+        return f"holds {', '.join(fmt.kinds)} heads; this is an {kind} head"
+    reason = message.split(f" as {fmt.name}: ", 1)[-1]
+    return reason.split(": ", 1)[0].split("; ", 1)[0]
 
 
 def _read_json(path: Path) -> dict:
@@ -149,6 +171,7 @@ def _summary(recipe, prepared_dir: Path, features_dir: Path, run_dir: Path, expo
                  "best": report.get("best", {}).get("method"), "best_k": _best_k(report),
                  "cost_curve": report.get("cost_curve")},
         "exports": exports,
+        "run_dir": str(run_dir),
         "seconds": {k: round(v, 1) for k, v in timings.items()},
     }
 
@@ -183,6 +206,8 @@ def _fmt(value, spec: str = ".3f") -> str:
 
 
 def _markdown(summary: dict) -> str:
+    from mtp_train.export.registry import get_format
+
     data, cache, train, ev = summary["data"], summary["cache"], summary["train"], summary["eval"]
     seconds = summary["seconds"]
     lines = [f"## Demo summary: {summary['recipe']}", "", "| | |", "|---|---|"]
@@ -236,8 +261,16 @@ def _markdown(summary: dict) -> str:
                   + ". Predicted speedup at k = τ(k) / (verify(k+1)/decode + drafting(k)/decode), drafting(k) = "
                   "the chain where timed, else k draft steps.", ""]
         lines += [f"- {_best_k_line(name, best)}" for name, best in ev["best_k"].items()]
+    exports = summary["exports"]
     lines += ["", "| export format | result |", "|---|---|"]
-    lines += [f"| {name} | {where} |" for name, where in summary["exports"].items()]
+    lines += [f"| {name} | {where} ({get_format(name).description}) |" for name, where in exports["written"].items()]
+    lines += [f"| {name} | refused: {why} |" for name, why in exports["refused"].items()]
+    if exports["vllm"]:
+        lines += ["", f"Serve the head with vLLM (the `{exports['vllm_format']}` export; {exports['vllm_k']}):", "",
+                  "```bash", exports["vllm"], "```", "",
+                  f"Check it in vLLM against our eval: `make serve-check HEAD={summary['run_dir']}`."]
+    else:
+        lines += ["", "No export vLLM loads was written for this head (see the refusals above)."]
     return "\n".join(lines)
 
 

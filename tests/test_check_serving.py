@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from mtp_train.export.registry import get_format
 from mtp_train.heads import HeadConfig
 from mtp_train.recipe import load_recipe, recipe_hash
 
@@ -75,7 +76,7 @@ def test_head_list_refusals_name_the_problem(cs, tmp_path, capsys):
 def test_every_kind_has_a_recipe_and_every_case_a_kind(cs):
     assert {case.kind for case in cs.CASES} <= set(cs.RECIPES)
     assert [case.format for case in cs.CASES] == ["vllm-mtp", "eagle3"]
-    assert {case.format: case.full_vocab for case in cs.CASES} == {"vllm-mtp": True, "eagle3": False}
+    assert [get_format(case.format).draft_vocab for case in cs.CASES] == [None, "tensors"]  # full vocab, d2t kept
     for recipe in cs.RECIPES.values():
         assert recipe.is_file()
 

@@ -1,5 +1,5 @@
-"""Export of heads with a reduced draft vocabulary (d2t/t2d): what each format writes, exact round trips, the refusals
-of the formats whose loaders have no draft vocabulary, and inspect's consistency checks."""
+"""Export of heads with a reduced draft vocabulary (d2t/t2d): what each format writes, exact round trips, the formats
+whose loaders have no draft vocabulary (written over the full vocabulary), and inspect's consistency checks."""
 
 from __future__ import annotations
 
@@ -192,42 +192,36 @@ def test_two_layer_reduced_eagle_head_round_trips_through_eagle(target, target_d
 # ---- refusals -----------------------------------------------------------------------------------------------------
 
 
-def test_deepseek_mtp_refuses_a_reduced_head(head_dirs, target_dir, tmp_path):
-    with pytest.raises(UserError) as err:
-        export_head(head_dirs["mtp"], "deepseek-mtp", tmp_path / "out", target_dir)
-    message = str(err.value)
-    assert "\n" not in message
-    assert re.search(
-        r"reduced draft vocabulary \(12 of the target's 96 tokens, d2t/t2d\) cannot be written as deepseek-mtp", message
-    )
-    assert "shared_head.head is the full [V, d] lm_head" in message
-    assert "DeepSeekMTP" in message and "DeepseekV3ForCausalLMNextN" in message
-    assert "the draft vocabulary would be lost" in message and message.endswith("use --format native")
-    assert not any(tmp_path.iterdir())  # nothing written, no temporary directory left
+@pytest.mark.parametrize("fmt", ["deepseek-mtp", "vllm-mtp"])
+def test_formats_without_a_draft_vocabulary_write_the_head_over_the_full_vocabulary(heads, head_dirs, target,
+                                                                                     target_dir, tmp_path, fmt,
+                                                                                     caplog):
+    """Their engines compute the draft logits with the target's whole lm_head: the head is written drafting over
+    every token, with no flag (the demo's head must reach an engine), said in the log and recorded in config.json;
+    its logits over the draft ids are the reduced head's."""
+    with caplog.at_level("WARNING", logger="mtp_train.export.exporter"):
+        out = export_head(head_dirs["mtp"], fmt, tmp_path / "out", target_dir)
+    assert f"written as {fmt} drafting over the full vocabulary ({fmt} has no draft vocabulary" in caplog.text
+    assert "trained to draft 12 of 96 tokens" in caplog.text
+    block = read_config(out)["mtp_train"]
+    assert block["head_config"]["draft_vocab_size"] is None and block["full_vocab_from_draft_vocab_size"] == N
+    assert not {"d2t", "t2d"} & set(load_file(out / "model.safetensors"))
+    loaded = load_any_head(out, target)
+    assert loaded.draft_ids is None
+    torch.testing.assert_close(draft_logits(loaded)[:, DRAFT_IDS], draft_logits(heads["mtp"]), rtol=1e-5, atol=1e-5)
 
 
-def test_vllm_mtp_refuses_a_reduced_head_without_full_vocab(head_dirs, target_dir, tmp_path):
-    with pytest.raises(UserError) as err:
-        export_head(head_dirs["mtp"], "vllm-mtp", tmp_path / "out", target_dir)
-    message = str(err.value)
-    assert "\n" not in message
-    assert "cannot be written as vllm-mtp" in message and "MiMoMTP computes the draft logits" in message
-    assert "the draft vocabulary would be lost" in message and "--full-vocab" in message
-    assert message.endswith("or --format native")
-    assert not any(tmp_path.iterdir())
-
-
-def test_kind_refusals_suggest_only_formats_that_carry_the_vocabulary(head_dirs, target_dir, tmp_path):
-    with pytest.raises(UserError, match=r"hnorm.*would be lost\. Use --format native$"):
+def test_kind_refusals_suggest_the_formats_that_carry_the_kind(head_dirs, target_dir, tmp_path):
+    with pytest.raises(UserError, match=r"hnorm.*would be lost\. Use --format deepseek-mtp, vllm-mtp or native$"):
         export_head(head_dirs["mtp"], "eagle", tmp_path / "eagle", target_dir)
     with pytest.raises(UserError, match=r"fc\.bias would be lost; use --format eagle or native$"):
         export_head(head_dirs["eagle1"], "deepseek-mtp", tmp_path / "d", target_dir)
 
 
 def test_cli_export_refusal(head_dirs, target_dir, tmp_path, capsys):
-    argv = ["export", "--head", str(head_dirs["mtp"]), "--format", "deepseek-mtp", "--out", str(tmp_path / "o")]
+    argv = ["export", "--head", str(head_dirs["mtp"]), "--format", "eagle3", "--out", str(tmp_path / "o")]
     assert run_cli(argv + ["--target", str(target_dir)]) == 2
-    assert "draft vocabulary would be lost" in capsys.readouterr().err
+    assert "format eagle3 holds EAGLE-3 heads" in capsys.readouterr().err
 
 
 def test_inconsistent_head_file_is_refused_at_export(head_dirs, target_dir, tmp_path):

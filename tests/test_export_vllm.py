@@ -1,7 +1,8 @@
-"""Exports meant for vLLM (issue 15), without importing vLLM: the `vllm-mtp` (MiMo-MTP) layout and its round trip, the
-refusals of what that layout cannot hold, `--full-vocab`, the serving arguments written next to the export; the
-`eagle` format's vLLM architecture name and its refusal of an fc bias vLLM drops, `head.fc_bias: false`; the
-`speculators` EAGLE-1 format gone. `make serve-check` (scripts/check_serving.py) runs the real engine."""
+"""Exports meant for vLLM without importing vLLM: the `vllm-mtp` (MiMo-MTP) layout and its round trip, the
+refusals of what that layout cannot hold, a reduced head written over the full vocabulary, the serving arguments
+written next to the export; the `eagle` format's vLLM architecture name and its refusal of an fc bias vLLM drops,
+`head.fc_bias: false`; the `speculators` EAGLE-1 format gone. `make serve-check` (scripts/check_serving.py) runs the
+real engine."""
 
 from __future__ import annotations
 
@@ -173,15 +174,17 @@ def test_vllm_mtp_refuses_a_block_qwen2_computes_differently(tmp_path, model_typ
     export_head(tmp_path / "head", "native", tmp_path / "native", target_dir)  # the head itself is fine
 
 
-def test_full_vocab_exports_a_reduced_head_drafting_over_every_token(target, target_dir, tmp_path, capsys):
+def test_a_reduced_head_exports_drafting_over_every_token(target, target_dir, tmp_path):
+    """No flag needed: vLLM's MiMoMTP has no draft vocabulary (test_export_draft_vocab has deepseek-mtp too)."""
     draft_ids = torch.tensor([0, 3, 7, 20, 41, 95])
     head = perturbed_head(target, draft_ids=draft_ids)
     save_head(head, tmp_path / "head")
-    with pytest.raises(UserError, match=r"reduced draft vocabulary \(6 of the target's 96 tokens.*--full-vocab"):
-        export_head(tmp_path / "head", "vllm-mtp", tmp_path / "refused", target_dir)
     argv = ["export", "--head", str(tmp_path / "head"), "--format", "vllm-mtp", "--out", str(tmp_path / "out"),
-            "--target", str(target_dir), "--full-vocab"]
+            "--target", str(target_dir)]
     assert run_cli(argv) == 0
+    # --full-vocab (meant for the formats that could keep the vocabulary) writes the same files here.
+    assert run_cli([*argv[:6], str(tmp_path / "flag"), *argv[7:], "--full-vocab"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "flag" / "model.safetensors").read_bytes()
     out = tmp_path / "out"
     block = read_config(out)["mtp_train"]
     assert block["head_config"]["draft_vocab_size"] is None and block["full_vocab_from_draft_vocab_size"] == 6

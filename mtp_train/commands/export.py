@@ -18,7 +18,7 @@ def register(subparsers) -> None:
         "and vLLM for a head without an fc bias: train with head.fc_bias: false), eagle3 (speculators eagle3, EAGLE-3 "
         "heads; verified in vLLM 0.32). A head a format cannot represent is refused with what would be lost. A "
         "reduced draft vocabulary is written by native and eagle3 (d2t/t2d) and eagle (SGLang "
-        "--speculative-token-map file); deepseek-mtp and vllm-mtp refuse it unless --full-vocab. A head "
+        "--speculative-token-map file); deepseek-mtp and vllm-mtp, which have none, write such a head drafting over the full vocabulary. A head "
         "whose model.safetensors differs from the checksum recorded at save, or holds NaN/Inf weights, is refused. "
         "The export is written next to --out and renamed into place; config.json's mtp_train.checksums records "
         "each file's sha256 (checked by inspect). See docs/export.md.",
@@ -43,8 +43,9 @@ def register(subparsers) -> None:
                         help="record no measured settings, even if an eval report of the head exists")
     p.add_argument("--full-vocab", action="store_true",
                    help="export a head trained with a reduced draft vocabulary as a full-vocabulary head (it then "
-                   "drafts over the whole vocabulary: τ changes, measure it with eval --head on the export); "
-                   "needed for vllm-mtp and deepseek-mtp, whose engines have no draft vocabulary")
+                   "drafts over the whole vocabulary: τ changes, measure it with eval --head on the export) in a "
+                   "format that could carry the draft vocabulary (native, eagle, eagle3); vllm-mtp and deepseek-mtp "
+                   "always do, their engines have no draft vocabulary")
     p.set_defaults(func=run_export)
 
 

@@ -75,13 +75,13 @@ class ExportFormat:
     frozen: dict[str, str] = {}
     max_layers: int | None = None  # the most decoder layers the layout holds (None: any)
     # How a reduced draft vocabulary travels: "tensors" (d2t/t2d in model.safetensors), "file" (the format's own
-    # file, see `extra_files`/`complete_native`) or None (refused: `no_draft_vocab` says why).
+    # file, see `extra_files`/`complete_native`) or None (the layout has none, `no_draft_vocab` says why: a reduced
+    # head is written drafting over the full vocabulary, see export_head).
     draft_vocab: str | None = None
     no_draft_vocab: str = ""
     block_types: dict[str, str] | None = None  # model_type -> the engine class for that block (None: any block)
     kind_refusal: str = ""  # why another kind is refused; "{alternatives}": the formats that carry the head
     layers_refusal: str = ""  # why more than `max_layers` layers are refused; "{n}": the head's layers
-    draft_vocab_alternatives: str = ""  # what to use instead for a reduced draft vocabulary
     required_fields: tuple[str, ...] = ()  # config.json fields (dotted paths) a file of this format must have
 
     # ---- what each format declares in code --------------------------------------------------------------------------
@@ -182,26 +182,13 @@ class ExportFormat:
             return self.kind_refusal.format(alternatives=self._alternatives(head_config))
         if self.max_layers is not None and head_config.num_layers > self.max_layers:
             return self.layers_refusal.format(n=head_config.num_layers)
-        if head_config.draft_vocab_size is not None and self.draft_vocab is None:
-            return (
-                f"a head with a reduced draft vocabulary ({head_config.draft_vocab_size} of the target's "
-                f"{head_config.vocab_size} tokens, d2t/t2d) cannot be written as {self.name}: {self.no_draft_vocab}, so "
-                f"the draft vocabulary would be lost (the head would draft over all {head_config.vocab_size} tokens); "
-                f"use {self.draft_vocab_alternatives}"
-            )
         return self._block_refusal(target.config)
 
     def _alternatives(self, head_config: HeadConfig) -> str:
-        """The engine formats that carry this head (its kind, its draft vocabulary), then native."""
+        """The engine formats that carry this head's kind, then native."""
         from mtp_train.export.registry import FORMATS
 
-        others = [
-            fmt.name
-            for fmt in FORMATS.values()
-            if fmt.name != "native"
-            and head_config.kind in fmt.kinds
-            and (head_config.draft_vocab_size is None or fmt.draft_vocab is not None)
-        ]
+        others = [fmt.name for fmt in FORMATS.values() if fmt.name != "native" and head_config.kind in fmt.kinds]
         return f"{', '.join(others)} or native" if others else "native"
 
     def _block_refusal(self, config) -> str | None:

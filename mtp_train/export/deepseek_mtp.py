@@ -114,7 +114,6 @@ class DeepSeekMTPFormat(ExportFormat):
         "the layout's shared_head.head is the full [V, d] lm_head and neither vLLM DeepSeekMTP nor SGLang "
         "DeepseekV3ForCausalLMNextN reads d2t, t2d or draft_vocab_size"
     )
-    draft_vocab_alternatives = "--format native"
     kind_refusal = (
         "an eagle1 head cannot be written as deepseek-mtp: the layout's enorm, hnorm, input_layernorm and "
         "shared_head.norm would be norms the head does not have, and eh_proj has no bias, so fc.bias would be "

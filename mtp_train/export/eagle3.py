@@ -96,7 +96,7 @@ class Eagle3Format(ExportFormat):
     max_layers = 1
     draft_vocab = "tensors"
     kind_refusal = (
-        "format eagle3 holds EAGLE-3 heads (head.kind: eagle3: fc over three target layers, a 2d-input midlayer); "
+        "format eagle3 holds EAGLE-3 heads (head.kind eagle3; fc over three target layers, a 2d-input midlayer): "
         "this head's structure has no place in it. Use --format {alternatives}"
     )
     layers_refusal = "the head has {n} layers; an EAGLE-3 checkpoint has one midlayer"

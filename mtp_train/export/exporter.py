@@ -12,7 +12,7 @@ from mtp_train.export.common import (
     BLOCK_KEY, CHECKSUMS_KEY, CONFIG_FILENAME, DRAFT_VOCAB_TENSORS, HEAD_CONFIG_FILENAME, WEIGHTS_FILENAME, Target,
     check_out_dir, parse_dtype, write_directory,
 )
-from mtp_train.export.measured_settings import DEFAULT_NUM_SPECULATIVE_TOKENS, SPECULATIVE_KEY, find_measured_settings
+from mtp_train.export.measured_settings import SPECULATIVE_KEY, find_measured_settings, serving_num_speculative_tokens
 from mtp_train.export.registry import get_format
 from mtp_train.fileio import json_bytes
 from mtp_train.heads.io import check_finite, head_config_bytes, read_head, safetensors_bytes, sha256_hex
@@ -40,9 +40,11 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
     when it measured this head. Its best chain and tree settings go into config.json's `mtp_train.speculative`
     (export/measured_settings.py); without a report nothing is written there (the log line says so);
     `use_eval_report` False ignores any report.
-    `full_vocab`: export a head trained with a reduced draft vocabulary as a full-vocabulary head (its d2t/t2d
-    dropped: it then drafts over the target's whole lm_head; the formats without a draft vocabulary refuse it
-    otherwise); config.json's mtp_train block records the dropped size as `full_vocab_from_draft_vocab_size`."""
+    A head trained with a reduced draft vocabulary is written as a full-vocabulary head (its d2t/t2d dropped: it
+    then drafts over the target's whole lm_head) by the formats whose layout has no draft vocabulary (deepseek-mtp,
+    vllm-mtp), and by every format with `full_vocab`: its logits over the draft ids are unchanged, the rows it was
+    never trained against now compete (on the demo head this moved τ by less than 0.01, docs/export.md);
+    config.json's mtp_train block records the dropped size as `full_vocab_from_draft_vocab_size`."""
     fmt = get_format(format_name)
     if num_speculative_tokens is not None and num_speculative_tokens < 1:
         raise UserError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
@@ -59,21 +61,17 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
     if not head_dir.is_dir():
         raise UserError(f"{head_dir}: head directory not found")
     measured, measured_note = find_measured_settings(head_dir, eval_report, use_eval_report)
-    if num_speculative_tokens is not None:
-        k_source = "--num-speculative-tokens"
-    elif measured is not None and measured.chain_by_speedup is not None:
-        num_speculative_tokens = measured.chain_by_speedup.k
-        k_source = f"the eval report's best k by measured speedup ({measured.chain_by_speedup.method})"
-    else:
-        num_speculative_tokens, k_source = DEFAULT_NUM_SPECULATIVE_TOKENS, "the default (no measured k)"
+    num_speculative_tokens, k_source = serving_num_speculative_tokens(measured, num_speculative_tokens)
     state, head_config = read_head(head_dir, target.config, target.fingerprint)
     full_vocab_from = None
-    if full_vocab and head_config.draft_vocab_size is not None:
+    if head_config.draft_vocab_size is not None and (full_vocab or fmt.draft_vocab is None):
         full_vocab_from = head_config.draft_vocab_size
         head_config = replace(head_config, draft_vocab_size=None)
         state = {name: tensor for name, tensor in state.items() if name not in DRAFT_VOCAB_TENSORS}
-        log.warning("%s: exported with the full vocabulary (--full-vocab): the head was trained to draft %d of %d "
-                    "tokens and now drafts over all of them", head_dir, full_vocab_from, head_config.vocab_size)
+        why = "--full-vocab" if full_vocab else f"{fmt.name} has no draft vocabulary: {fmt.no_draft_vocab}"
+        log.warning("%s: written as %s drafting over the full vocabulary (%s): the head was trained to draft %d of %d "
+                    "tokens and now ranks all of them (the same weights; τ measured in docs/export.md)", head_dir,
+                    fmt.name, why, full_vocab_from, head_config.vocab_size)
     reason = fmt.refuse_reason(head_config, target) or fmt.state_refusal(state, head_config)
     if reason:
         raise UserError(f"cannot export {head_dir} ({head_config.kind} head) as {fmt.name}: {reason}")
@@ -83,8 +81,7 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
             raise UserError(f"{head_dir / WEIGHTS_FILENAME}: mixed dtypes {sorted(map(str, stored))}; pass --dtype")
         torch_dtype = stored.pop()
 
-    options = {"num_speculative_tokens": num_speculative_tokens, "out_resolved": str(out.resolve()),
-               "full_vocab_from": full_vocab_from}
+    options = {"num_speculative_tokens": num_speculative_tokens, "out_resolved": str(out.resolve())}
     tensors, files = fmt.build(state, head_config, target, torch_dtype, options)
     expected = fmt.expected_tensors(files[CONFIG_FILENAME], out)
     got = {name: tuple(t.shape) for name, t in tensors.items()}
@@ -94,6 +91,8 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
 
     # Besides JSON, a format may write a ready file (bytes): eagle's SGLang token map.
     config = files.pop(CONFIG_FILENAME)
+    if full_vocab_from is not None:
+        config[BLOCK_KEY]["full_vocab_from_draft_vocab_size"] = full_vocab_from
     if measured is not None:
         config[BLOCK_KEY][SPECULATIVE_KEY] = measured.block(fmt.serving_engines(head_config, target),
                                                             num_speculative_tokens, k_source)

@@ -145,6 +145,17 @@ def default_report_path(head_dir: Path) -> Path:
     return head_dir.parent / "eval" / REPORT_FILENAME
 
 
+def serving_num_speculative_tokens(measured: MeasuredSettings | None, requested: int | None) -> tuple[int, str]:
+    """(k for the serving arguments, where it came from): `requested` (--num-speculative-tokens), else the eval
+    report's best k by measured speedup, else DEFAULT_NUM_SPECULATIVE_TOKENS."""
+    if requested is not None:
+        return requested, "--num-speculative-tokens"
+    if measured is not None and measured.chain_by_speedup is not None:
+        return (measured.chain_by_speedup.k,
+                f"the eval report's best k by measured speedup ({measured.chain_by_speedup.method})")
+    return DEFAULT_NUM_SPECULATIVE_TOKENS, "the default (no measured k)"
+
+
 def find_measured_settings(head_dir: Path, eval_report: str | os.PathLike[str] | None,
                            use_report: bool = True) -> tuple[MeasuredSettings | None, str]:
     """(the settings, one line saying where they came from or why there are none). `eval_report`: a report file or

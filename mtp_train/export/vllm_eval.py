@@ -11,14 +11,12 @@ speculative output equals the plain output prompt by prompt (it must, greedy, up
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
-
-# head kind -> (export format, vLLM's speculative method)
-VLLM_FORMATS = {"mtp": ("vllm-mtp", "mtp"), "eagle3": ("eagle3", "eagle3"), "eagle1": ("eagle", "eagle")}
+from mtp_train.export.registry import get_format
+from mtp_train.export.vllm_serving import VLLM_FORMATS, vllm_serve_arguments, vllm_serve_command
 
 
 def acceptance_from_counters(metrics: dict[str, Any], k: int) -> tuple[float, list[float], int]:
@@ -31,17 +29,6 @@ def acceptance_from_counters(metrics: dict[str, Any], k: int) -> tuple[float, li
     if not drafts:
         return 1.0, [0.0] * k, 0
     return 1.0 + accepted / drafts, [float(a) / drafts for a in per_position], int(drafts)
-
-
-def _speculative_settings(kind: str, export_dir: Path, target_dir: str, k: int) -> tuple[dict, dict | None]:
-    """(speculative_config, the target's hf_overrides) that serve the export, as its SERVING.md says."""
-    fmt, method = VLLM_FORMATS[kind]
-    if fmt == "vllm-mtp":
-        from mtp_train.export.vllm_mtp import serve_arguments
-
-        serve = serve_arguments(str(export_dir), target_dir, k)
-        return serve["speculative_config"], serve["hf_overrides"]
-    return {"method": method, "model": str(export_dir), "num_speculative_tokens": k}, None
 
 
 def _run(target_dir: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, stops: list[int],
@@ -71,10 +58,10 @@ def evaluate_in_vllm(head_dir: str | Path, target_dir: str, prompts: list[list[i
     if head_config.kind not in VLLM_FORMATS:
         raise UserError(f"{head_dir}: no vLLM format serves a {head_config.kind} head")
     fmt, method = VLLM_FORMATS[head_config.kind]
-    full_vocab = fmt == "vllm-mtp" and head_config.draft_vocab_size is not None
+    full_vocab = get_format(fmt).draft_vocab is None and head_config.draft_vocab_size is not None
     work_dir.mkdir(parents=True, exist_ok=True)
     export_dir = export_head(head_dir, fmt, work_dir / "export", target_dir, dtype="float32", overwrite=True,
-                             num_speculative_tokens=max(ks), full_vocab=full_vocab)
+                             num_speculative_tokens=max(ks))
     engine_args = {"max_model_len": max(len(p) for p in prompts) + max_new_tokens + max(ks) + 8,
                    **(engine_args or {})}
     show(f"eval (vLLM): {len(prompts)} prompts, plain and k = {', '.join(map(str, ks))}, one engine each; "
@@ -85,7 +72,8 @@ def evaluate_in_vllm(head_dir: str | Path, target_dir: str, prompts: list[list[i
     methods: dict[str, Any] = {}
     serve = None
     for k in ks:
-        speculative, overrides = _speculative_settings(head_config.kind, export_dir, target_dir, k)
+        serve = vllm_serve_arguments(head_config.kind, str(export_dir), target_dir, k)
+        speculative, overrides = serve["speculative_config"], serve["hf_overrides"]
         run = _run(target_dir, dtype, prompts, max_new_tokens, stops, work_dir / f"{method}-k{k}", python,
                    engine_args, speculative, overrides)
         tau, per_position, drafts = acceptance_from_counters(run["metrics"], k)
@@ -97,7 +85,6 @@ def evaluate_in_vllm(head_dir: str | Path, target_dir: str, prompts: list[list[i
             "drafts": drafts, "new_tokens": tokens, "tokens_per_s": round(rate, 2),
             "speedup": round(rate / plain_rate, 4) if plain_rate else None,
             "outputs_identical_to_plain": not differing, "prompts_differing": differing}
-        serve = {"speculative_config": speculative, "hf_overrides": overrides}
         show(f"eval (vLLM): {head_config.kind}@k={k}: τ {tau:.3f}, acceptance "
              f"{', '.join(f'{a:.2f}' for a in per_position)}, {rate:.1f} tok/s ({rate / plain_rate:.2f}× plain), "
              f"output {'identical to plain' if not differing else f'differs on {len(differing)} prompt(s)'}")
@@ -108,7 +95,7 @@ def evaluate_in_vllm(head_dir: str | Path, target_dir: str, prompts: list[list[i
         "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "plain": {"new_tokens": plain_tokens, "tokens_per_s": round(plain_rate, 2)},
         "methods": methods, "best": {"method": best[0], **best[1]},
-        "serve": {"target": str(target_dir), **(serve or {})},
+        "serve": serve,
     }
 
 
@@ -126,9 +113,5 @@ def markdown_lines(section: dict[str, Any]) -> list[str]:
         same = "yes" if row["outputs_identical_to_plain"] else f"no ({len(row['prompts_differing'])} prompts)"
         lines.append(f"| {name} | {row['tau']:.3f} | {', '.join(f'{a:.2f}' for a in row['acceptance_per_position'])} "
                      f"| {row['tokens_per_s']:.1f} | {row['speedup']:.2f}× | {same} |")
-    serve = section["serve"]
-    command = f"vllm serve {serve['target']} --speculative-config '{json.dumps(serve['speculative_config'])}'"
-    if serve.get("hf_overrides"):
-        command += f" --hf-overrides '{json.dumps(serve['hf_overrides'])}'"
-    lines += ["", "Served as (the last k):", "", "```bash", command, "```"]
+    lines += ["", "Served as (the last k):", "", "```bash", vllm_serve_command(section["serve"]), "```"]
     return lines

