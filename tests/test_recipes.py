@@ -19,6 +19,7 @@ RECIPES = sorted((REPO_ROOT / "recipes").glob("*.yaml"))
 DEEPSPEED_JSONS = sorted((REPO_ROOT / "recipes" / "deepspeed").glob("*.json"))
 PRODUCTION = {
     "llama-3.1-8b-mtp": {"ranks": 8, "zero": 2, "storage": "bfloat16"},
+    "llama-3.1-8b-eagle3": {"ranks": 8, "zero": 2, "storage": "bfloat16"},
     "llama-3.3-70b-mtp": {"ranks": 8, "zero": 2, "storage": "float8_e4m3"},
     "qwen2.5-coder-1.5b-mtp": {"ranks": 8, "zero": 1, "storage": "bfloat16"},
 }
@@ -84,9 +85,19 @@ def test_production_recipes_are_sized_for_h100_nodes(name: str) -> None:
     assert recipe.train.micro_batch_tokens >= recipe.data.max_seq_len  # a micro-batch holds the longest sample
     global_tokens = recipe.train.micro_batch_tokens * recipe.train.grad_accum * expected["ranks"]
     assert 2**18 <= global_tokens <= 2**20
-    assert recipe.eval.prompts and max(recipe.eval.num_speculative_tokens) >= 3
+    assert max(recipe.eval.num_speculative_tokens) >= 3  # prompts: a file, or null = the held-out split
     wandb = recipe.tracking.wandb
     assert wandb.mode == "online" and wandb.group and wandb.project == "mtp-train"
+
+
+def test_the_gpu_quick_start_recipe_runs_the_target_in_vllm() -> None:
+    """The README's GPU quick start: an EAGLE-3 head whose features and acceptance come from vLLM, one engine per
+    GPU (torchrun ranks), aux layers as vLLM's default for 32 layers, the draft vocabulary kept by the eagle3 export."""
+    recipe = load_recipe(REPO_ROOT / "recipes" / "llama-3.1-8b-eagle3.yaml")
+    assert recipe.precompute.backend == "vllm" and recipe.eval.engine == "vllm"
+    assert recipe.precompute.vllm.tensor_parallel_size == 1 and recipe.target.tensor_parallel == 1
+    assert recipe.head.kind == "eagle3" and recipe.precompute.aux_layers == [1, 15, 28]
+    assert recipe.head.draft_vocab_size == 32768
 
 
 def test_70b_on_two_nodes_keeps_the_global_batch() -> None:

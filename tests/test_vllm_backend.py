@@ -23,7 +23,7 @@ from mtp_train.features.format import load_manifest
 from mtp_train.features.precompute import run_precompute
 from mtp_train.features.verify import verify_features
 from mtp_train.recipe import load_recipe
-from tests.pipeline_fixtures import PRECOMPUTE_UNTIL_FIRST_SHARD, RECIPE_PATH, tiny_pipeline
+from tests.pipeline_fixtures import PRECOMPUTE_UNTIL_FIRST_SHARD, RECIPE_PATH, free_port, tiny_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_VLLM_TARGET = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -161,9 +161,44 @@ def test_kill_9_then_resume_is_byte_identical_and_leaves_no_engine(caches, tmp_p
     assert verify_features(killed, progress=False).ok
 
 
+def test_torchrun_ranks_are_engines_side_by_side(caches, tmp_path):
+    """Data parallelism: two torchrun ranks, each its own vLLM engine over its share of the samples (on GPUs each on
+    its own devices), make the one-engine cache: every sample once, the same states."""
+    vllm, _, vllm_overrides = caches
+    out = tmp_path / "dp"
+    sets = [a for o in vllm_overrides + [f"precompute.output_dir={out}"] for a in ("--set", o)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master-port={free_port()}", "-m", "mtp_train", "precompute", "--recipe", str(RECIPE_PATH),
+                          *sets], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rank 1 starting vLLM" in run.stdout
+    manifest = load_manifest(out)
+    assert manifest["world_size"] == 2 and manifest["backend"] == "vllm"
+    assert {shard["rank"] for shard in manifest["splits"]["train"]["shards"]} == {0, 1}
+    assert verify_features(out, progress=False).ok
+    result = compare_caches(out, vllm)  # every sample of the one-engine cache, once, token for token
+    assert result.samples == 24
+    assert result.hidden.max_ulps <= 1.5 and result.aux_hidden.max_ulps <= 1.5 and result.argmax_agreement >= 0.999
+    assert (out / ".vllm" / "rank1" / "worker.log").is_file()
+
+
+def test_engine_devices_give_each_rank_its_own_gpus():
+    from mtp_train.features.vllm_target import engine_devices
+    from mtp_train.recipe import VllmEngineSection
+
+    tp2 = VllmEngineSection(tensor_parallel_size=2)
+    assert [engine_devices(tp2, rank, 4, 8) for rank in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert engine_devices(tp2, 0, 1, 8) is None  # one engine: vLLM's default (every visible device)
+    assert engine_devices(tp2, 1, 2, 0) is None  # CPU
+    with pytest.raises(UserError, match="need 16 GPUs; this node has 8"):
+        engine_devices(VllmEngineSection(tensor_parallel_size=4), 0, 4, 8)
+
+
 @pytest.mark.parametrize("sets, message", [
     (["precompute.kv_dtype=bfloat16"], "precompute.kv_dtype bfloat16 is the runtime backend's"),
-    (["target.tensor_parallel=2"], "runs one process and spreads the target with vLLM's own parallelism"),
+    (["target.tensor_parallel=2"], "spreads the target with vLLM's own parallelism"),
+    (["precompute.vllm.engine_args={data_parallel_size: 2}"], "data parallelism is torchrun's ranks"),
     (["precompute.vllm.engine_args={max_model_len: 64}"], r"engine_args: max_model_len set here"),
     (["precompute.vllm.python=/nonexistent/python"], "precompute.vllm.python /nonexistent/python: no such"),
 ])

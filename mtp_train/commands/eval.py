@@ -104,6 +104,7 @@ def _evaluate_in_vllm(recipe, head_dir: str, prompts_path, limit, ks, max_new_to
     from mtp_train.evaluate.prompts import load_heldout, load_mt_bench
     from mtp_train.evaluate.runner import first_turn_ids
     from mtp_train.export.vllm_eval import evaluate_in_vllm, markdown_lines
+    from mtp_train.features.vllm_target import engine_args
     from mtp_train.fileio import atomic_write_text, write_json_atomic
     from mtp_train.runtime.chat import stop_token_ids
     from mtp_train.runtime.config import load_config
@@ -113,8 +114,14 @@ def _evaluate_in_vllm(recipe, head_dir: str, prompts_path, limit, ks, max_new_to
     prompt_set = load_mt_bench(prompts_path, limit) if prompts_path else load_heldout(recipe.prepared_dir, limit)
     prompts = [first_turn_ids(tokenizer, prompt) for prompt in prompt_set.prompts]
     stops = sorted(stop_token_ids(tokenizer, load_config(recipe.target.path)))
+    # The engine is spread as precompute's (tensor/pipeline parallel sizes, quantization, ...); the context length
+    # is the prompts' unless the recipe sets one.
+    spread = engine_args(recipe.precompute.vllm, max_sample_len=1)
+    if recipe.precompute.vllm.max_model_len is None:
+        del spread["max_model_len"]
     section = evaluate_in_vllm(head_dir, recipe.target.path, prompts, stops, list(ks), max_new_tokens,
-                               out_dir / "vllm", dtype=recipe.target.dtype, python=recipe.precompute.vllm.python)
+                               out_dir / "vllm", dtype=recipe.target.dtype, python=recipe.precompute.vllm.python,
+                               engine_args=spread)
     section["prompt_source"] = prompt_set.source + (" (first turns)" if prompts_path else "")
     report_path, markdown_path = out_dir / "report.json", out_dir / "report.md"
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.is_file() else {}

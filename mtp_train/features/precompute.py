@@ -306,7 +306,7 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
             lock = OutputLock(sibling_lock_path(root), busy, label="precompute").acquire()
         except UserError as err:
             refused = str(err)
-    dist = _init_distributed(env)
+    dist = _init_distributed(env, host_only=recipe.precompute.backend == "vllm")
     if dist is not None:  # every rank stops with rank 0's refusal instead of waiting for it at a barrier
         box = [refused]
         dist.broadcast_object_list(box, src=0)
@@ -394,10 +394,10 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
     from mtp_train.runtime.tensor_parallel import ParallelLayout, init_tensor_parallel
 
     pre = recipe.precompute
-    if pre.backend == "vllm" and (env.world_size > 1 or recipe.target.tensor_parallel > 1):
-        raise UserError("precompute.backend vllm runs one process and spreads the target with vLLM's own parallelism "
-                        "(precompute.vllm.tensor_parallel_size, pipeline_parallel_size): run it without torchrun "
-                        "and with target.tensor_parallel 1")
+    if pre.backend == "vllm" and recipe.target.tensor_parallel > 1:
+        raise UserError("precompute.backend vllm spreads the target with vLLM's own parallelism "
+                        "(precompute.vllm.tensor_parallel_size, pipeline_parallel_size), not target.tensor_parallel: "
+                        "leave it at 1 (torchrun ranks are data parallelism: one engine each)")
     if pre.backend == "vllm" and pre.kv_dtype != "auto":
         raise UserError(f"precompute.kv_dtype {pre.kv_dtype} is the runtime backend's; vLLM's K/V cache dtype is "
                         "precompute.vllm.kv_cache_dtype")
@@ -425,15 +425,23 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
 
     split_lengths = {split: _split_lengths(ds) for split, ds in splits.items()}
     if pre.backend == "vllm":
-        from mtp_train.features.vllm_target import VllmTarget
+        from mtp_train.features.vllm_target import VllmTarget, engine_devices
         from mtp_train.recipe import with_precision
 
-        if _vllm_cache_is_complete(recipe, prepared, config, root):
+        if _vllm_cache_is_complete(recipe, prepared, config, root, env.world_size):
             return root
-        root.mkdir(parents=True, exist_ok=True)
-        write_output_marker(root, "features")
-        target = VllmTarget(recipe, config, root / VLLM_WORK_DIR, max(max(v, default=1) for v in split_lengths.values()))
-        print(f"precompute: starting vLLM ({target.capture.python}; its log: {target.capture.log_path})", flush=True)
+        if env.rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            write_output_marker(root, "features")
+        _barrier(dist)
+        # Data parallelism: each torchrun rank runs an engine of its own over its share of the samples.
+        devices = engine_devices(pre.vllm, env.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                 torch.cuda.device_count() if recipe.target.device != "cpu" else 0)
+        work_dir = root / VLLM_WORK_DIR / (f"rank{env.rank}" if env.world_size > 1 else "")
+        target = VllmTarget(recipe, config, work_dir, max(max(v, default=1) for v in split_lengths.values()), devices)
+        print(f"precompute: rank {env.rank} starting vLLM ({target.capture.python}"
+              + (f", CUDA devices {devices}" if devices is not None else "")
+              + f"; its log: {target.capture.log_path})", flush=True)
         try:
             info = target.start(want_lm_head=pre.target_argmax)
         except BaseException:
@@ -455,7 +463,7 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
     return result
 
 
-def _vllm_cache_is_complete(recipe, prepared, config, root: Path) -> bool:
+def _vllm_cache_is_complete(recipe, prepared, config, root: Path, world_size: int) -> bool:
     """A finished cache checked without starting vLLM (a minute or more): the engine's facts (the dtype `auto`
     resolved to, vLLM's version, the K/V dtype) taken from its manifest, everything else compared as always."""
     if not (root / MANIFEST_FILENAME).is_file():
@@ -466,7 +474,7 @@ def _vllm_cache_is_complete(recipe, prepared, config, root: Path) -> bool:
     manifest = load_manifest(root)
     dtype = manifest.get("target_dtype") if recipe.target.dtype == "auto" else recipe.target.dtype
     header = _header(with_precision(recipe, dtype, recipe.target.decode_dtype), prepared,
-                     target_fingerprint(recipe.target.path), 1, config.hidden_size)
+                     target_fingerprint(recipe.target.path), world_size, config.hidden_size)
     header.update(backend="vllm", vllm_version=manifest.get("vllm_version"), kv_dtype=manifest.get("kv_dtype"))
     _compare_headers(manifest, header, root / MANIFEST_FILENAME)
     print(f"precompute: {root} is already complete ({_summary(manifest)}); nothing to do")
@@ -662,13 +670,15 @@ def _summary(manifest: dict[str, Any]) -> str:
     return "; ".join(parts) + f"; {manifest['storage_dtype']}, {manifest.get('bytes_per_token')} bytes/token{kv}"
 
 
-def _init_distributed(env: DistEnv):
+def _init_distributed(env: DistEnv, host_only: bool = False):
+    """The process group of the ranks (None for one rank). `host_only`: gloo even where CUDA exists (the vLLM
+    backend: the ranks only coordinate, their engines own the GPUs, and this process must not take one)."""
     if env.world_size <= 1:
         return None
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if torch.cuda.is_available() and not host_only else "gloo"
         dist.init_process_group(backend=backend)
         if backend == "nccl":
             torch.cuda.set_device(env.local_rank)

@@ -38,21 +38,32 @@ def engine_args(section, max_sample_len: int) -> dict[str, Any]:
     if overlap:
         raise UserError(f"precompute.vllm.engine_args: {', '.join(overlap)} set here; use the key of its own "
                         "(precompute.vllm.<key>, target.dtype) or leave it to precompute")
+    if "data_parallel_size" in section.engine_args:
+        raise UserError("precompute.vllm.engine_args: data_parallel_size set here; data parallelism is torchrun's "
+                        "ranks, one engine each over its own tensor_parallel_size x pipeline_parallel_size GPUs "
+                        "(torchrun --nproc_per_node=8 -m mtp_train precompute ... with tensor_parallel_size 1: eight "
+                        "engines side by side)")
     return {**args, **section.engine_args}
 
 
 class VllmTarget:
     """The target run by vLLM: `forward(ids, lengths)` -> (H [T, d], aux [T, len(aux_layers), d] or None), both in the
-    engine's compute dtype; `lm_head_weight` [V, d]; `info` what the engine reported (version, dtype, device)."""
+    engine's compute dtype; `lm_head_weight` [V, d]; `info` what the engine reported (version, dtype, device).
+    `devices`: the CUDA devices of this engine (`engine_devices`), None = all. The final norm and the lm_head (the
+    stored argmax: a [T, d] x [d, V] matmul per batch) run on the engine's first GPU where it has one, loaded after
+    the engine has taken its share of the memory, else on the CPU."""
 
-    def __init__(self, recipe, config, work_dir: Path, max_sample_len: int):
+    def __init__(self, recipe, config, work_dir: Path, max_sample_len: int, devices: list[int] | None = None):
         self.config = config
         self.model_dir = recipe.target.path
         self.aux_layers = tuple(recipe.precompute.aux_layers)
         num_layers = config.num_hidden_layers
         self.layer_ids = list(dict.fromkeys([num_layers, *(j + 1 for j in self.aux_layers)]))
         self.capture = VllmCapture(recipe.target.path, VLLM_DTYPES[recipe.target.dtype], self.layer_ids, work_dir,
-                                   engine_args(recipe.precompute.vllm, max_sample_len), recipe.precompute.vllm.python)
+                                   engine_args(recipe.precompute.vllm, max_sample_len), recipe.precompute.vllm.python,
+                                   devices)
+        on_gpu = recipe.target.device != "cpu" and torch.cuda.is_available()
+        self.device = torch.device("cuda", (devices or [0])[0]) if on_gpu else torch.device("cpu")
         self.info: dict[str, Any] = {}
         self.norm: RMSNorm | None = None
         self.lm_head_weight: torch.Tensor | None = None
@@ -65,8 +76,8 @@ class VllmTarget:
         head_key = EMBED_KEY if self.config.tie_word_embeddings else LM_HEAD_KEY
         if want_lm_head:
             shapes[head_key] = (vocab, d)
-        tensors = read_tensors(self.model_dir, shapes, dtype, torch.device("cpu"))
-        self.norm = RMSNorm(d, self.config.rms_norm_eps).to(dtype)
+        tensors = read_tensors(self.model_dir, shapes, dtype, self.device)
+        self.norm = RMSNorm(d, self.config.rms_norm_eps).to(self.device, dtype)
         with torch.no_grad():
             self.norm.weight.copy_(tensors[FINAL_NORM_KEY])
         self.lm_head_weight = tensors.get(head_key)
@@ -94,7 +105,7 @@ class VllmTarget:
 
     def forward(self, ids: list[torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         states = self.capture.capture([t.tolist() for t in ids])  # each [T_i, layers, d]
-        stacked = torch.cat(states)  # [T, layers, d]
+        stacked = torch.cat(states).to(self.device)  # [T, layers, d]
         with torch.no_grad():
             hidden = self.norm(stacked[:, 0])
         if not self.aux_layers:
@@ -104,3 +115,19 @@ class VllmTarget:
 
     def close(self, abort: bool = False) -> None:
         self.capture.close(abort)
+
+
+def engine_devices(section, local_rank: int, local_world_size: int, cuda_devices: int) -> list[int] | None:
+    """The CUDA devices of this rank's engine when ranks run engines side by side (data parallelism): local rank r
+    takes devices [r * n, (r + 1) * n), n = tensor_parallel_size x pipeline_parallel_size. None with one rank per
+    node or no CUDA device (vLLM's CPU build: each engine is its own process and threads)."""
+    if local_world_size <= 1 or cuda_devices == 0:
+        return None
+    per_engine = section.tensor_parallel_size * section.pipeline_parallel_size
+    if local_world_size * per_engine > cuda_devices:
+        raise UserError(
+            f"precompute.backend vllm: {local_world_size} ranks on this node, each an engine over "
+            f"tensor_parallel_size x pipeline_parallel_size = {per_engine} GPUs, need {local_world_size * per_engine} "
+            f"GPUs; this node has {cuda_devices} (fewer torchrun ranks, or smaller engines)")
+    return list(range(local_rank * per_engine, (local_rank + 1) * per_engine))
+

@@ -25,10 +25,11 @@ class VllmCapture:
 
     `start()` returns what the engine reports (vLLM version, dtype, K/V cache dtype, device); `capture(samples)` the
     states of each sample, [T, len(layer_ids), hidden] in the engine's dtype, layers in the order given; `close()`
-    ends the worker. `work_dir` holds the per-sample files on their way (removed as read) and `worker.log`."""
+    ends the worker. `work_dir` holds the per-sample files on their way (removed as read) and `worker.log`;
+    `devices`: the CUDA devices the engine takes (`VllmWorker`)."""
 
     def __init__(self, model_dir: str | Path, dtype: str, layer_ids: list[int], work_dir: str | Path,
-                 engine_args: dict | None = None, python: str | None = None):
+                 engine_args: dict | None = None, python: str | None = None, devices: list[int] | None = None):
         if len(set(layer_ids)) != len(layer_ids):
             raise ValueError(f"repeated layer ids {layer_ids}")
         self.layer_ids = list(layer_ids)
@@ -38,7 +39,7 @@ class VllmCapture:
         self.states_dir = Path(work_dir) / "states"
         self.worker = VllmWorker({"mode": "capture", "model": str(Path(model_dir).resolve()), "dtype": dtype,
                                   "layer_ids": self.stored_ids, "out_dir": str(self.states_dir),
-                                  "engine_args": self.engine_args}, work_dir, python)
+                                  "engine_args": self.engine_args}, work_dir, python, devices)
         self.python, self.log_path = self.worker.python, self.worker.log_path
 
     def start(self) -> dict:

@@ -64,10 +64,14 @@ class VllmWorker:
 
     `settings` is the worker's first message (its `mode`, the model, the dtype, the engine's arguments); `start()`
     returns what the engine reports (vLLM version, dtype, K/V cache dtype, device); `request(message, key)` one
-    request's reply; `close()` ends the worker. `work_dir` holds `worker.log` (and what the mode writes there)."""
+    request's reply; `close()` ends the worker. `work_dir` holds `worker.log` (and what the mode writes there).
+    `devices`: the CUDA devices the engine sees (CUDA_VISIBLE_DEVICES, as ids of this process's visible devices;
+    None: all of them), so that engines side by side each take their own."""
 
-    def __init__(self, settings: dict, work_dir: str | Path, python: str | None = None):
+    def __init__(self, settings: dict, work_dir: str | Path, python: str | None = None,
+                 devices: list[int] | None = None):
         self.settings = settings
+        self.devices = devices
         self.work_dir = Path(work_dir)
         self.python = find_vllm_python(python)
         self.log_path = self.work_dir / "worker.log"
@@ -81,6 +85,10 @@ class VllmWorker:
         env["PYTHONPATH"] = str(WORKER_DIR)  # the connector module, and nothing of this interpreter's packages
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if self.devices is not None:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            names = visible.split(",") if visible else None
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(names[i] if names else str(i) for i in self.devices)
         read_end, write_end = os.pipe()
         env["MTP_TRAIN_REPLY_FD"] = str(write_end)
         log = open(self.log_path, "w", encoding="utf-8")
