@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,6 +55,29 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
 def json_bytes(value: Any) -> bytes:
     """The project's JSON file form: indented, UTF-8, non-ASCII kept as is, trailing newline."""
     return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def safetensors_bytes(tensors: dict[str, Any], metadata: dict[str, str]) -> bytes:
+    """`tensors` as safetensors file bytes with `metadata` (plus "format": "pt"), the same bytes for the same input:
+    safetensors writes its metadata from a hash map, in an order that changes per process, so the header's metadata
+    is rewritten here in sorted key order (same length, tensor offsets untouched). Storage shared between entries (tied
+    embeddings) is cloned, as safetensors refuses it."""
+    from safetensors.torch import save
+
+    seen: set[int] = set()
+    clean = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.data_ptr() in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        clean[name] = tensor
+    data = save(clean, metadata={"format": "pt", **metadata})
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return data[:8] + text.ljust(length, b" ") + data[8 + length:]
 
 
 def write_json_atomic(path: str | os.PathLike[str], value: Any) -> Path:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -229,6 +231,23 @@ def test_export_dtype_conversion(head_dirs, target_dir, tmp_path):
     assert read_config(out)["torch_dtype"] == "bfloat16"
     with pytest.raises(UserError, match="--dtype 'int8'"):
         export_head(head_dirs["mtp"], "native", tmp_path / "bad", target_dir, dtype="int8")
+
+
+def test_an_export_is_the_same_bytes_in_every_process(head_dirs, target_dir, tmp_path):
+    """Exports are reproducible byte for byte (hash them to compare two runs): safetensors writes its metadata from a
+    hash map whose order changes per process, so the writer puts the keys in sorted order. Three processes each export
+    the same head; every file of the three exports is identical."""
+    script = ("import sys; from mtp_train.export import export_head; "
+              "export_head(sys.argv[1], 'deepseek-mtp', sys.argv[2], sys.argv[3])")
+    outs = [tmp_path / f"out{i}" for i in range(3)]
+    for out in outs:
+        subprocess.run([sys.executable, "-c", script, str(head_dirs["mtp"]), str(out), str(target_dir)], check=True,
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True)
+    files = sorted(p.name for p in outs[0].iterdir())
+    assert "model.safetensors" in files and len(load_file(outs[0] / "model.safetensors")) > 3
+    for out in outs[1:]:
+        assert sorted(p.name for p in out.iterdir()) == files
+        assert all((out / name).read_bytes() == (outs[0] / name).read_bytes() for name in files)
 
 
 # ---- inspect ------------------------------------------------------------------------------------------------------

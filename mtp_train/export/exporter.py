@@ -14,8 +14,8 @@ from mtp_train.export.common import (
 )
 from mtp_train.export.measured_settings import SPECULATIVE_KEY, find_measured_settings, serving_num_speculative_tokens
 from mtp_train.export.registry import get_format
-from mtp_train.fileio import json_bytes
-from mtp_train.heads.io import check_finite, head_config_bytes, read_head, safetensors_bytes, sha256_hex
+from mtp_train.fileio import json_bytes, safetensors_bytes
+from mtp_train.heads.io import check_finite, head_config_bytes, read_head, sha256_hex
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from mtp_train.features.format import MANIFEST_FILENAME, load_manifest
-from mtp_train.fileio import atomic_write_bytes, file_sha256
+from mtp_train.fileio import atomic_write_bytes, file_sha256, safetensors_bytes
 from mtp_train.heads.vocab import coverage, select_draft_vocab
 
 SOURCES = ("target", "data")
@@ -89,7 +89,6 @@ def load_or_count(
     and write it. `distributed`: every rank of the initialized process group calls this; they split the counting,
     sum it, and rank 0 writes the file."""
     from safetensors import safe_open
-    from safetensors.torch import save
 
     features_dir = Path(features_dir)
     path = counts_path(features_dir, source)
@@ -112,7 +111,7 @@ def load_or_count(
         dist.all_reduce(counts)  # int64 sums, exact
     if rank == 0:
         metadata = {"source": source, "manifest_sha256": digest, "labels": str(int(counts.sum()))}
-        atomic_write_bytes(path, save({"token_counts": counts}, metadata=metadata))
+        atomic_write_bytes(path, safetensors_bytes({"token_counts": counts}, metadata))
     return counts
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.fileio import atomic_write_bytes, file_sha256, read_json_object
+from mtp_train.fileio import atomic_write_bytes, file_sha256, read_json_object, safetensors_bytes
 
 FORMAT_VERSION = 1
 MANIFEST_FILENAME = "manifest.json"
@@ -72,8 +72,6 @@ def decode_hidden(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch
 def write_shard(path: Path, samples: list[dict[str, torch.Tensor | int]], storage_dtype: str) -> dict[str, Any]:
     """Write one shard atomically. Each sample: `sample_index` int, `input_ids` [T] , `loss_mask` [T],
     `hidden` [T, d], optional `target_argmax` [T] and `aux_hidden` [T, n_aux, d]. Returns the shard's record (sha256 over the file)."""
-    from safetensors.torch import save
-
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
     hidden, hidden_scale = encode_hidden(torch.cat([s["hidden"] for s in samples]), storage_dtype)
@@ -93,9 +91,7 @@ def write_shard(path: Path, samples: list[dict[str, torch.Tensor | int]], storag
         tensors["aux_hidden"] = aux
         if aux_scale is not None:
             tensors["aux_hidden_scale"] = aux_scale
-    # One metadata key only: safetensors writes metadata from a hash map, so several keys come out in a random
-    # order and identical shards would differ byte-wise (the format version lives in the manifest).
-    data = save(tensors, metadata={"format": "pt"})
+    data = safetensors_bytes(tensors, {})  # the format version lives in the manifest
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, data)
     return {

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.fileio import atomic_write_bytes, file_sha256, json_bytes
+from mtp_train.fileio import atomic_write_bytes, file_sha256, json_bytes, safetensors_bytes
 from mtp_train.heads.config import HeadConfig
 from mtp_train.heads.draft_head import DraftHead
 from mtp_train.heads.kinds import head_class
@@ -121,21 +121,6 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
             return {key: f.get_tensor(key) for key in f.keys()}
     except Exception as err:
         raise UserError(f"{path}: could not read safetensors ({err})") from None
-
-
-def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    from safetensors.torch import save
-
-    # Tied embeddings give the same storage twice; safetensors refuses shared storage.
-    seen: set[int] = set()
-    clean = {}
-    for name, tensor in tensors.items():
-        tensor = tensor.detach().to("cpu").contiguous()
-        if tensor.data_ptr() in seen:
-            tensor = tensor.clone()
-        seen.add(tensor.data_ptr())
-        clean[name] = tensor
-    return save(clean, metadata={"format": "pt", **metadata})
 
 
 def save_head(head: DraftHead, directory: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Path:
