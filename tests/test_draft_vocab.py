@@ -239,8 +239,7 @@ def test_drafts_are_target_ids_from_the_draft_vocabulary(models, monkeypatch, gr
 
     fed_back: list[int] = []
     drafted: list[int] = []
-    step_name = "greedy_draft_step" if greedy else "draft_step"
-    original_step, original_propose = getattr(MTPChainProposer, step_name), MTPChainProposer.propose
+    original_step, original_propose = MTPChainProposer.draft_step, MTPChainProposer.propose
 
     def recording_step(self, requests, token_ids, carried):
         fed_back.extend(token_ids.tolist())
@@ -251,7 +250,7 @@ def test_drafts_are_target_ids_from_the_draft_vocabulary(models, monkeypatch, gr
         drafted.extend(t for p in proposals for t in p.draft_token_ids.tolist())
         return proposals
 
-    monkeypatch.setattr(MTPChainProposer, step_name, recording_step)
+    monkeypatch.setattr(MTPChainProposer, "draft_step", recording_step)
     monkeypatch.setattr(MTPChainProposer, "propose", recording_propose)
     head = reduced_head(models["target"], torch.arange(1, VOCAB, 2), init="last_layer")
     if greedy:

@@ -20,7 +20,8 @@ from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.rejection import greedy_accept_tree, tree_rejection_sample
 from mtp_train.runtime.sampler import SamplingParams
 from mtp_train.runtime.spec import DraftTree, PromptLookup, SpecStats, TreeShape, speculative_generate
-from mtp_train.runtime.spec.tree import TreeProposer, compact_accepted_path
+from mtp_train.runtime.spec.proposer import compact_accepted_path
+from mtp_train.runtime.spec.tree import TreeProposer
 from tests.sampling_stats import P_VALUE_THRESHOLD, chi2_p_value
 from tests.spec_helpers import (
     LOSSLESS_PROMPT,

@@ -30,6 +30,11 @@ class RejectionResult:
     accepted_len: int  # how many leading draft tokens were accepted (0..k)
     token_ids: list[int]  # accepted drafts + one corrected (on rejection) or bonus (all accepted) token: length a+1
 
+    @property
+    def path(self) -> list[int]:
+        """The accepted drafts as verify nodes (1..a), as a tree's verdict names them."""
+        return list(range(1, self.accepted_len + 1))
+
 
 def greedy_accept(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor) -> RejectionResult:
     """Greedy verification. `draft_token_ids`: [k]; `target_argmax`: [k+1], the target's argmax at each position.

@@ -1,9 +1,10 @@
-"""The speculative step loop: a proposer (`spec/proposer.py` and one module per schedule) drafts k tokens, the target
-verifies them in one forward, the rejection sampler (`runtime/rejection.py`) decides how many to keep.
+"""The speculative step loop: a proposer (`spec/proposer.py` and one module per schedule) drafts k tokens (a chain,
+or a tree whose paths are at most k deep: a chain is a tree of top-k 1), the target verifies them in one forward, the
+proposal's rejection sampler (`runtime/rejection.py`) decides which to keep. Chains and trees share one step.
 
 Per step and batch (k drafts): the proposer's catch-up over the tokens the draft has not seen (MTP: accepted+1 rows),
-k-1 single-token draft steps, one target verify of k+1 tokens per sequence. The target's logits and hidden states
-are carried over from the verify; there is no other target forward.
+k-1 draft steps, one target verify of the root and every draft per sequence (a tree's under its ancestor mask). The
+target's logits and hidden states are carried over from the verify; there is no other target forward.
 
 KV memory: target and draft share ONE `PageAllocator` and one page list (block table) per request; each model has
 its own `KVCache` storage over those page ids and its own `Sequence` view (cached length) on the shared list.
@@ -23,27 +24,12 @@ from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.generate import GenerationResult, Outputs, check_lengths, pages_for
 from mtp_train.runtime.kv_cache import PageAllocator
 from mtp_train.runtime.model import CausalLM
-from mtp_train.runtime.rejection import RejectionResult, greedy_accept, rejection_sample
-from mtp_train.runtime.sampler import SamplingParams, processed_probs, sample
-from mtp_train.runtime.spec.proposer import DraftProposal, Request, make_proposer, rewind
+from mtp_train.runtime.sampler import SamplingParams, sample
+from mtp_train.runtime.spec.proposer import Request, accepted_rows, compact_accepted_path, make_proposer, rewind
 from mtp_train.runtime.spec.stats import SpecStats
-from mtp_train.runtime.spec.tree import DraftTree, TreeProposer, compact_accepted_path
+from mtp_train.runtime.spec.tree import DraftTree, TreeProposer
 
 MAX_SPECULATIVE_TOKENS = 8
-
-
-def verify(
-    proposals: list[DraftProposal], target_logits: list[torch.Tensor], sampling: SamplingParams, generator
-) -> list[RejectionResult]:
-    """Rejection-sample each sequence: `target_logits[b]` [k_b + 1, vocab] from the verify forward."""
-    results = []
-    for proposal, logits in zip(proposals, target_logits):
-        if sampling.greedy:
-            results.append(greedy_accept(proposal.draft_token_ids, logits.argmax(-1)))
-        else:
-            target_probs = processed_probs(logits, sampling)  # [k_b + 1, vocab]
-            results.append(rejection_sample(proposal.draft_token_ids, proposal.draft_probs, target_probs, generator))
-    return results
 
 
 @torch.inference_mode()
@@ -86,7 +72,7 @@ def speculative_generate(
     proposer.check_lengths(prompts, max_new_tokens)
     target_cache = target.new_kv_cache(allocator)
     generator = torch.Generator(device=device).manual_seed(seed)
-    k = num_speculative_tokens if not isinstance(proposer, TreeProposer) else proposer.shape.depth
+    k = proposer.shape.depth if isinstance(proposer, TreeProposer) else num_speculative_tokens
     stats = SpecStats(schedule=proposer.schedule, num_speculative_tokens=k)
     requests = []
     for i, prompt in enumerate(prompts):
@@ -105,42 +91,47 @@ def speculative_generate(
             req.release(allocator)
         return done
 
-    def tree_step(active: list[Request]) -> list[Request]:
-        """One tree step: draft a tree per sequence (depth never more than can still be emitted), verify all its
-        nodes in one target forward with the tree mask, commit the accepted path + one token, keep only the
-        accepted path in the target's cache; returns the requests still running."""
-        depths = [min(k, outputs.remaining(r.index) - 1) for r in active]
-        trees = proposer.propose_tree(active, depths, sampling, generator)
-        verify_starts = [r.target_view.num_cached for r in active]  # position of t_last (the root)
-        positions = [[start, *(start + d for d in tree.depths)] for start, tree in zip(verify_starts, trees)]
-        batch = BatchInfo.for_tree([r.target_view for r in active], positions, [t.verify_mask() for t in trees],
-                                   allocator, device)
-        input_ids = torch.tensor([t for r, tree in zip(active, trees) for t in (r.token_ids[-1], *tree.tokens)],
-                                 device=device)
+    def step(active: list[Request]) -> list[Request]:
+        """One speculative step for the running requests: draft (a chain of k_b tokens, or a tree whose deepest path
+        has k_b), verify every drafted token in one target forward (a tree under its ancestor mask), accept, commit
+        the accepted tokens + one, keep only the accepted ones in the target's cache, and let the draft catch up.
+        Returns the requests still running."""
+        depths = [min(k, outputs.remaining(r.index) - 1) for r in active]  # a step emits up to k_b + 1 tokens
+        proposals = proposer.propose(active, depths, sampling, generator)
+        verify_starts = [len(r.token_ids) - 1 for r in active]  # position of t_last (the root)
+        verify_lens = [p.size + 1 for p in proposals]
+        views = [r.target_view for r in active]
+        masks = [p.verify_mask() for p in proposals]
+        if any(mask is not None for mask in masks):  # a tree: node i sits at root position + its depth
+            positions = [[start, *(start + d for d in p.depths)] for start, p in zip(verify_starts, proposals)]
+            batch = BatchInfo.for_tree(views, positions, masks, allocator, device)
+        else:
+            batch = BatchInfo.for_sequences(views, verify_lens, allocator, device)
+        input_ids = torch.tensor([t for r, p in zip(active, proposals) for t in (r.token_ids[-1], *p.tokens)],
+                                 device=device)  # [sum(n_b + 1)]
         out = target(input_ids, batch, target_cache, return_hidden=True, aux_layers=proposer.aux_layers)
         stats.target_forwards += 1
         stats.target_sequence_forwards += len(active)
         stats.verify_sequence_steps += len(active)
-        verify_lens = [tree.size + 1 for tree in trees]
         logits_per_request = out.logits.split(verify_lens)  # [n_b + 1, vocab] each
         hidden_per_request = proposer.target_states(out).split(verify_lens)  # [n_b + 1, d (3d)] each
         still_active = []
-        for req, tree, start, logits, hidden in zip(active, trees, verify_starts, logits_per_request,
-                                                    hidden_per_request):
-            verdict = tree.accept(logits, req.token_ids[-1], sampling, generator)
+        for req, proposal, start, logits, hidden in zip(active, proposals, verify_starts, logits_per_request,
+                                                        hidden_per_request):
+            verdict = proposal.accept(logits, req.token_ids[-1], sampling, generator)
             accepted_len = len(verdict.path)
-            stats.drafted_tokens += tree.size
+            stats.drafted_tokens += proposal.size
             stats.accepted_tokens += accepted_len
-            for j in range(max(tree.depths, default=0)):
+            for j in range(max(proposal.depths, default=0)):
                 stats.drafted_per_position[j] += 1
                 stats.accepted_per_position[j] += int(j < accepted_len)
             if commit(req, verdict.token_ids):
                 continue
-            # Keep the root and the accepted path (moved into place) in the target cache; the new last token is not
-            # cached yet. Rows of the rejected nodes are cut off (their pages freed by trim_pages below).
+            # Keep the root and the accepted drafts (a tree's moved into place after the root) in the target cache;
+            # the new last token is not cached yet. Rejected rows are cut off (their pages freed by trim_pages).
             compact_accepted_path(target_cache, req.target_view, start, verdict.path)
             rewind(req.target_view, start + accepted_len + 1)
-            proposer.observe_target(req.draft, hidden[[0, *verdict.path]], start)
+            proposer.observe_target(req.draft, accepted_rows(hidden, verdict.path), start)
             still_active.append(req)
         if still_active:
             proposer.catch_up(still_active)
@@ -172,46 +163,7 @@ def speculative_generate(
         # ---- speculative steps ---------------------------------------------------------------------------------
         start = time.perf_counter()
         while active:
-            if isinstance(proposer, TreeProposer):
-                active = tree_step(active)
-                continue
-            # Draft: never more than can still be emitted (a step emits up to k_b + 1 tokens).
-            num_drafts = [min(k, outputs.remaining(r.index) - 1) for r in active]
-            proposals = proposer.propose(active, num_drafts, sampling, generator)
-
-            # Verify: [t_last, d_1..d_k] per sequence in one target forward.
-            verify_lens = [k_b + 1 for k_b in num_drafts]
-            batch = BatchInfo.for_sequences([r.target_view for r in active], verify_lens, allocator, device)
-            verify_ids = [[r.token_ids[-1], *p.draft_token_ids.tolist()] for r, p in zip(active, proposals)]
-            input_ids = torch.tensor([t for ids in verify_ids for t in ids], device=device)  # [sum(k_b + 1)]
-            out = target(input_ids, batch, target_cache, return_hidden=True,
-                         aux_layers=proposer.aux_layers)  # logits [sum(k_b + 1), vocab]
-            stats.target_forwards += 1
-            stats.target_sequence_forwards += len(active)
-            stats.verify_sequence_steps += len(active)
-            verdicts = verify(proposals, list(out.logits.split(verify_lens)), sampling, generator)
-            hidden_per_request = proposer.target_states(out).split(verify_lens)  # [k_b + 1, d (3d)] each
-
-            still_active = []
-            for req, k_b, verdict, hidden in zip(active, num_drafts, verdicts, hidden_per_request):
-                accepted_len = verdict.accepted_len
-                stats.drafted_tokens += k_b
-                stats.accepted_tokens += accepted_len
-                for j in range(k_b):
-                    stats.drafted_per_position[j] += 1
-                    stats.accepted_per_position[j] += int(j < accepted_len)
-                verify_start = len(req.token_ids) - 1  # position of t_last
-                if commit(req, verdict.token_ids):
-                    continue
-                # Keep t_last and the accepted drafts in the target cache; the new last token is not cached yet.
-                rewind(req.target_view, verify_start + accepted_len + 1)
-                proposer.observe_target(req.draft, hidden[: accepted_len + 1], verify_start)
-                still_active.append(req)
-            active = still_active
-            if active:
-                proposer.catch_up(active)
-                for req in active:
-                    req.trim_pages(allocator)
+            active = step(active)
         stats.decode_seconds = time.perf_counter() - start
     finally:
         for req in requests:

@@ -10,10 +10,11 @@ gives draft d_1. Each further draft feeds the head its own output and its last d
 verify, the head's cache is cut back to where the draft chain started and those positions are recomputed from the
 verify's (exact) hidden states, in the same forward that yields the next d_1.
 
-`catch_up` only records those rows; `propose` runs them. Greedy, on the CPU decode path, the catch-up and the k - 1
-draft steps are one kernel call (`DraftHead.greedy_chain`): after a target forward has emptied the caches, the Python
-between a head's kernel calls costs about as much as the kernels (docs/tuning.md). Otherwise each head forward is one
-call (`DraftHead.forward_with_logits`), or the head's `forward` and `logits` for a head without it.
+`catch_up` only records those rows; `propose` runs them, then drafts with the shared draft loop
+(`Proposer.propose`). Greedy, where the head has it (the CPU decode path), the catch-up and the k - 1 draft steps are
+one call instead (`DraftHead.greedy_chain`): after a target forward has emptied the caches, the Python between a
+head's kernel calls costs about as much as the kernels (docs/tuning.md). Each head forward is one call
+(`DraftHead.forward_with_logits`), or the head's `forward` and `logits` for a head without it.
 """
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ class MTPChainState(DraftState):
     target_hidden: torch.Tensor | None = None  # [m, d] H (EAGLE-3: [m, 3d] aux states) at hidden_start .. L-2
     hidden_start: int = 0
     head_hidden: torch.Tensor | None = None  # [d]: the head's output of the row (H_{L-2}, t_{L-1})
-    next_token: int | None = None  # the argmax of next_logits, a target id: the greedy chain's first draft
-    pending: bool = False  # catch-up rows recorded (target_hidden) and not run yet: `propose` runs them
+
+    @property
+    def pending(self) -> bool:
+        """Catch-up rows recorded (`target_hidden`) and not run yet: `propose` runs them."""
+        return self.target_hidden is not None
 
     def clear(self) -> None:
         super().clear()
-        self.target_hidden = self.head_hidden = self.next_token = None
-        self.pending = False
+        self.target_hidden = self.head_hidden = None
 
 
 class MTPChainProposer(Proposer):
@@ -64,23 +67,16 @@ class MTPChainProposer(Proposer):
         self.forward_with_logits = getattr(head, "forward_with_logits", None)
         self.aux_layers = tuple(getattr(head, "aux_layers", ()))  # an EAGLE-3 head reads these target layers
         draft_ids = getattr(head, "draft_ids", None)
-        self.target_id_of: list[int] | None = None  # draft id -> target id, for the greedy chain's ids
         if draft_ids is not None:  # a reduced draft vocabulary
             self.draft_ids, self.target_vocab_size = draft_ids.to(self.device), head.config.vocab_size
-            self.target_id_of = draft_ids.tolist()
 
     def observe_target(self, state: MTPChainState, hidden: torch.Tensor, first_position: int) -> None:
         state.target_hidden, state.hidden_start = hidden, first_position
 
-    # Whether `catch_up` leaves its forward to `propose`, which then runs it with the greedy draft chain in one call
-    # where the head has one (`DraftHead.greedy_chain`); a subclass that reads the head state right after `catch_up`
-    # (the tree proposer) sets it False.
-    defer_catch_up = True
-
     def catch_up(self, requests: list[Request]) -> None:
         """Rows (H_i, t_{i+1}) for i = hidden_start .. L-2: rebuilds the head's cache from where the draft chain
         started (or from 0 after the prefill); the last row's output gives the next first draft. Checked and recorded
-        here; run by `propose` (`defer_catch_up`), or here."""
+        here, run by `propose`."""
         for req in requests:
             state = req.draft
             num_rows = state.target_hidden.shape[0]
@@ -90,9 +86,6 @@ class MTPChainProposer(Proposer):
                     f"{state.hidden_start + num_rows - 1}, expected up to {len(req.token_ids) - 2}"
                 )
             rewind(state.view, state.hidden_start)
-            state.pending = True
-        if not self.defer_catch_up:
-            self._run_catch_up(requests)
 
     def _catch_up_rows(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The pending rows of `requests`: token ids [T], target states [T, d (3d)], rows per request."""
@@ -114,65 +107,34 @@ class MTPChainProposer(Proposer):
         token_ids, hidden, row_counts = self._catch_up_rows(requests)
         batch = BatchInfo.for_sequences([r.draft.view for r in requests], row_counts, self.allocator, self.device)
         newest_rows = batch.last_token_indices()  # [batch]: rows (H_{L-2}, t_{L-1})
-        out, logits, argmax = self._forward(token_ids, hidden, batch, newest_rows)
+        out, logits = self._forward(token_ids, hidden, batch, newest_rows)
         self.forwards += 1
-        self._set_head_state(requests, out[newest_rows], logits, self._target_ids(argmax.tolist()))
-
-    @staticmethod
-    def _set_head_state(requests: list[Request], newest: torch.Tensor, logits: torch.Tensor,
-                        next_tokens: list[int]) -> None:
+        newest = out[newest_rows]  # [batch, d]
         for b, req in enumerate(requests):
             state = req.draft
-            state.head_hidden, state.next_logits, state.next_token = newest[b], logits[b], next_tokens[b]
-            state.target_hidden, state.pending = None, False
+            state.head_hidden, state.next_logits, state.target_hidden = newest[b], logits[b], None
 
     def initial_carry(self, requests: list[Request]) -> torch.Tensor:
         return torch.stack([r.draft.head_hidden for r in requests])  # [m, d]
 
     def draft_step(self, requests, token_ids, carried):
-        out, logits, _ = self._step(requests, token_ids, carried)
-        return logits, out  # [m, vocab], [m, d]
-
-    def _step(self, requests: list[Request], token_ids: torch.Tensor, carried: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One draft step (each request's last draft `token_ids` [m] and the head's last output `carried` [m, d] at
-        its next position): (outputs [m, d], logits [m, vocab], their argmax [m] in draft ids)."""
+        its next position): (logits [m, vocab], outputs [m, d])."""
         batch = BatchInfo.for_sequences([r.draft.view for r in requests], [1] * len(requests), self.allocator,
                                         self.device)
         self.forwards += 1
-        return self._forward(token_ids, carried, batch, torch.arange(len(requests), device=self.device))
+        out, logits = self._forward(token_ids, carried, batch, torch.arange(len(requests), device=self.device))
+        return logits, out
 
     def propose(self, requests, num_drafts, sampling, generator):
-        """Greedy: the chain the base class drafts at temperature 0, kept as ids — the first draft is the catch-up's
-        argmax (`next_token`), each further one the argmax of a draft step (returned with its logits by one kernel
-        call on the CPU decode path); no [vocab] row is stacked or arg-maxed in Python. Sampling: the base class."""
+        """The pending catch-up, then the shared draft loop; greedy, the whole chain in one call where the head has
+        it."""
         if sampling.greedy:
             chained = self._greedy_chain(requests, num_drafts)
             if chained is not None:
                 return chained
         self._run_catch_up(requests)
-        if not sampling.greedy:
-            return super().propose(requests, num_drafts, sampling, generator)
-        tokens = [[req.draft.next_token] if n > 0 else [] for req, n in zip(requests, num_drafts)]
-        rows = [b for b, n in enumerate(num_drafts) if n > 1]  # requests drafting a second token
-        carried = torch.stack([requests[b].draft.head_hidden for b in rows]) if rows else None  # [m, d]
-        for j in range(1, max(num_drafts, default=0)):
-            keep = [i for i, b in enumerate(rows) if num_drafts[b] > j]
-            if len(keep) < len(rows):
-                rows = [rows[i] for i in keep]
-                carried = carried[torch.tensor(keep, device=self.device)]
-            token_ids = torch.tensor([tokens[b][-1] for b in rows], device=self.device)  # [m] target ids
-            next_tokens, carried = self.greedy_draft_step([requests[b] for b in rows], token_ids, carried)
-            for b, token in zip(rows, next_tokens):
-                tokens[b].append(token)
-        return [DraftProposal(torch.tensor(ids, dtype=torch.long, device=self.device), None) for ids in tokens]
-
-    def greedy_draft_step(self, requests: list[Request], token_ids: torch.Tensor, carried: torch.Tensor
-                          ) -> tuple[list[int], torch.Tensor]:
-        """`draft_step` at temperature 0: feed each request its last draft (`token_ids` [m], target ids) and the head's
-        last output (`carried` [m, d]); returns the next drafts (target ids) and the new outputs [m, d]."""
-        out, _, argmax = self._step(requests, token_ids, carried)
-        return self._target_ids(argmax.tolist()), out
+        return super().propose(requests, num_drafts, sampling, generator)
 
     def _greedy_chain(self, requests: list[Request], num_drafts: list[int]) -> list[DraftProposal] | None:
         """The pending catch-up and the whole greedy chain in one call (`DraftHead.greedy_chain`), when every request
@@ -192,25 +154,20 @@ class MTPChainProposer(Proposer):
             return None
         drafts = result[2]  # [B, count] target ids
         self.forwards += count
-        for req, ids in zip(requests, drafts.tolist()):
+        for req in requests:
             state = req.draft
             # The next step's catch-up starts again from the target's states: no head state is read before it (the
             # head output and logits stay with the kernel call; sampling never takes this path).
             state.head_hidden = state.next_logits = state.target_hidden = None
-            state.next_token, state.pending = ids[0], False
             state.view.num_cached += count - 1  # the draft steps' positions, as the step-by-step chain leaves them
         return [DraftProposal(row, None) for row in drafts.unbind(0)]
 
-    def _target_ids(self, draft_ids: list[int]) -> list[int]:
-        return draft_ids if self.target_id_of is None else [self.target_id_of[i] for i in draft_ids]
-
     def _forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, batch: BatchInfo,
-                 logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The head over rows (hidden, token) [T]: (its output [T, d], the logits of `logits_rows` [R, vocab], their
-        argmax [R] in draft ids), in one call where the head has one (`DraftHead.forward_with_logits`: one kernel
-        call on the CPU decode path)."""
+                 logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over rows (hidden, token) [T]: (its output [T, d], the logits of `logits_rows` [R, vocab]), in one
+        call where the head has one (`DraftHead.forward_with_logits`: one kernel call on the CPU decode path)."""
         if self.forward_with_logits is not None:
-            return self.forward_with_logits(token_ids, hidden, batch, self.kv_cache, logits_rows)
+            out, logits, _ = self.forward_with_logits(token_ids, hidden, batch, self.kv_cache, logits_rows)
+            return out, logits
         out = self.head(token_ids, hidden, batch, self.kv_cache)  # [T, d]
-        logits = self.head.logits(out[logits_rows])
-        return out, logits, logits.argmax(-1)
+        return out, self.head.logits(out[logits_rows])

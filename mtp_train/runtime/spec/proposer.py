@@ -16,6 +16,7 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.runtime.kv_cache import KVCache, PageAllocator, Sequence
 from mtp_train.runtime.model import CausalLM
+from mtp_train.runtime.rejection import RejectionResult, greedy_accept, rejection_sample
 from mtp_train.runtime.sampler import SamplingParams, processed_probs, sample_from_probs
 
 
@@ -24,6 +25,37 @@ def rewind(view: Sequence, num_tokens: int) -> None:
     if num_tokens > view.num_cached:
         raise ValueError(f"cannot rewind sequence {view.seq_id} to {num_tokens} > {view.num_cached} cached")
     view.num_cached = num_tokens
+
+
+def compact_accepted_path(cache: KVCache, view: Sequence, start: int, path: list[int]) -> None:
+    """Move the K/V of the accepted tree nodes (verify nodes `path`, written at slots start + node) to the positions
+    start + 1, start + 2, ... right after the root (at `start`), in every layer of `cache`; the caller then rewinds the
+    view to start + len(path) + 1. Node numbers grow along a path, so no source is overwritten before it is read."""
+    moves = [(start + node, start + 1 + i) for i, node in enumerate(path) if node != i + 1]
+    if not moves:
+        return
+    page_size = cache.page_size
+
+    def slot(position: int) -> int:
+        return view.pages[position // page_size] * page_size + position % page_size
+
+    # A layer holds (K, V) pages (KVCache) or one latent tensor (runtime/deepseek.py's LatentCache, MLA).
+    storages = [storage for layer in cache.layers
+                for storage in (layer if isinstance(layer, (tuple, list)) else (layer,))]
+    device = storages[0].device
+    src = torch.tensor([slot(s) for s, _ in moves], device=device)
+    dst = torch.tensor([slot(d) for _, d in moves], device=device)
+    for storage in storages:
+        flat = storage.view(-1, *storage.shape[2:])  # [num_pages * page_size, ...]
+        flat.index_copy_(0, dst, flat.index_select(0, src))
+
+
+def accepted_rows(hidden: torch.Tensor, path: list[int]) -> torch.Tensor:
+    """The rows of a verify's target states [n + 1, d] the draft keeps after it: the root's (row 0) and the accepted
+    nodes' `path`, in order (a chain's accepted drafts are rows 1..a already)."""
+    if path == list(range(1, len(path) + 1)):
+        return hidden[: len(path) + 1]
+    return hidden[[0, *path]]
 
 
 @dataclass
@@ -74,8 +106,36 @@ class Request:
 
 @dataclass
 class DraftProposal:
+    """One sequence's draft chain. What the speculative step asks of every proposal (a tree's is
+    `spec/tree.py`'s `TreeProposal`): its draft tokens in verify order after the root (`tokens`, `size`), the depth of
+    each (`depths`), the verify mask (None: causal) and `accept`, which verifies it against the target."""
+
     draft_token_ids: torch.Tensor  # [k_b] int64
     draft_probs: torch.Tensor | None  # [k_b, vocab] fp32 distributions they were sampled from (None when greedy)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.draft_token_ids.tolist()
+
+    @property
+    def size(self) -> int:
+        return int(self.draft_token_ids.shape[0])
+
+    @property
+    def depths(self) -> range:
+        return range(1, self.size + 1)
+
+    def verify_mask(self) -> None:
+        return None
+
+    def accept(self, target_logits: torch.Tensor, root_token: int, sampling: SamplingParams,
+               generator: torch.Generator | None) -> RejectionResult:
+        """Verify against the target's rows [k_b + 1, vocab] (the root's and each draft's): greedy, the longest prefix
+        of the target's argmax; sampling, the rejection sampler."""
+        if sampling.greedy:
+            return greedy_accept(self.draft_token_ids, target_logits.argmax(-1))
+        return rejection_sample(self.draft_token_ids, self.draft_probs, processed_probs(target_logits, sampling),
+                                generator)
 
 
 _PROPOSERS: list[type[Proposer]] = []  # every Proposer subclass, in import order

@@ -33,7 +33,6 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.runtime.attention import BatchInfo, ancestor_mask
-from mtp_train.runtime.kv_cache import KVCache, Sequence
 from mtp_train.runtime.rejection import TreeRejectionResult, greedy_accept_tree, tree_rejection_sample
 from mtp_train.runtime.sampler import SamplingParams, processed_probs
 from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
@@ -163,7 +162,6 @@ class TreeProposer(MTPChainProposer):
 
     schedule = "tree"
     draft_description = ""
-    defer_catch_up = False  # `propose_tree` reads the head state `catch_up` leaves
 
     @classmethod
     def accepts(cls, draft) -> bool:
@@ -261,9 +259,11 @@ class TreeProposer(MTPChainProposer):
                 r += 1
         return self.head.logits(out)
 
-    def propose_tree(self, requests: list[Request], depths: list[int], sampling: SamplingParams,
-                     generator: torch.Generator) -> list[TreeProposal]:
-        """A draft tree of at most `shape.nodes` nodes and depth `depths[b]` (0: an empty tree) per request."""
+    def propose(self, requests: list[Request], depths: list[int], sampling: SamplingParams,
+                generator: torch.Generator) -> list[TreeProposal]:
+        """The pending catch-up, then a draft tree of at most `shape.nodes` nodes and depth `depths[b]` (0: an empty
+        tree) per request."""
+        self._run_catch_up(requests)
         topk, budget = self.shape.topk, self.shape.nodes
         batch_size = len(requests)
         branches = [self._lookup_branch(req, d) if self.lookup is not None and d > 0 else []
@@ -271,7 +271,6 @@ class TreeProposer(MTPChainProposer):
         nodes: list[list[_Node]] = [[_Node(req.token_ids[-1], -1, 0, 0.0)] for req in requests]  # creation order
         hidden = [{0: req.draft.head_hidden} for req in requests]
         head_slots: list[dict[int, int]] = [{} for _ in requests]
-        node_probs: list[dict[int, torch.Tensor]] = [{} for _ in requests]  # sampling: node -> [vocab] q
         lookup_ids: list[list[int]] = [[] for _ in requests]
         if not sampling.greedy:  # the lookup branch first: its root child is the first one tested
             for b, branch in enumerate(branches):
@@ -349,29 +348,6 @@ class TreeProposer(MTPChainProposer):
         return TreeProposal(tokens, parents, depths, candidate_probs)
 
 
-def compact_accepted_path(cache: KVCache, view: Sequence, start: int, path: list[int]) -> None:
-    """Move the K/V of the accepted tree nodes (verify nodes `path`, written at slots start + node) to the positions
-    start + 1, start + 2, ... right after the root (at `start`), in every layer of `cache`; the caller then rewinds the
-    view to start + len(path) + 1. Node numbers grow along a path, so no source is overwritten before it is read."""
-    moves = [(start + node, start + 1 + i) for i, node in enumerate(path) if node != i + 1]
-    if not moves:
-        return
-    page_size = cache.page_size
-
-    def slot(position: int) -> int:
-        return view.pages[position // page_size] * page_size + position % page_size
-
-    # A layer holds (K, V) pages (KVCache) or one latent tensor (runtime/deepseek.py's LatentCache, MLA).
-    storages = [storage for layer in cache.layers
-                for storage in (layer if isinstance(layer, (tuple, list)) else (layer,))]
-    device = storages[0].device
-    src = torch.tensor([slot(s) for s, _ in moves], device=device)
-    dst = torch.tensor([slot(d) for _, d in moves], device=device)
-    for storage in storages:
-        flat = storage.view(-1, *storage.shape[2:])  # [num_pages * page_size, ...]
-        flat.index_copy_(0, dst, flat.index_select(0, src))
-
-
 def representative_tree(shape: TreeShape) -> tuple[list[int], list[int]]:
     """(parents, depths) of a tree of `shape` in verify numbering, as the drafting builds it before the reranking
     when the best-scored node of each depth comes first: topk children of the root, then the first topk nodes of
@@ -388,5 +364,4 @@ def representative_tree(shape: TreeShape) -> tuple[list[int], list[int]]:
     return parents[: shape.nodes], depths[: shape.nodes]
 
 
-__all__ = ["DraftTree", "TreeProposal", "TreeProposer", "TreeShape", "compact_accepted_path",
-           "parse_tree_method", "representative_tree"]
+__all__ = ["DraftTree", "TreeProposal", "TreeProposer", "TreeShape", "parse_tree_method", "representative_tree"]
