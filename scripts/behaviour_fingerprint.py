@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 
+from mtp_train.errors import UserError
 from mtp_train.evaluate.prompts import load_heldout
 from mtp_train.evaluate.runner import first_turn_ids
 from mtp_train.export import export_head
@@ -51,7 +52,7 @@ def _run(target, draft, prompts, max_new_tokens, stops, k=1, sampling=SamplingPa
         drafted, accepted, steps = drafted + stats.drafted_tokens, accepted + stats.accepted_tokens, \
             steps + stats.verify_sequence_steps
     return {"outputs": _digest(outputs), "tokens": sum(map(len, outputs)),
-            "tau": round((accepted + steps) / max(steps, 1), 6), "accepted": accepted, "drafted": drafted}
+            "mean_acceptance_length": round((accepted + steps) / max(steps, 1), 6), "accepted": accepted, "drafted": drafted}
 
 
 def fingerprint(run_dir: Path, num_prompts: int, max_new_tokens: int, dtype: str | None = None) -> dict:
@@ -87,7 +88,7 @@ def fingerprint(run_dir: Path, num_prompts: int, max_new_tokens: int, dtype: str
             out = Path(scratch) / name
             try:
                 export_head(str(head_dir), name, out, recipe.target.path)
-            except Exception as err:  # a format that refuses this head: its message is the fingerprint
+            except UserError as err:  # a format that refuses this head: its message is the fingerprint
                 exports[name] = f"refused: {str(err).splitlines()[0][:120]}"
                 continue
             exports[name] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16]
