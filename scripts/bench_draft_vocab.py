@@ -77,7 +77,8 @@ def main() -> None:
             _train(args.recipe, args.overrides, size, args.steps, run_dir, args.nproc)
 
     from mtp_train.runtime.hardware import machine_fields
-    from mtp_train.runtime.precision import apply_decode_weights, resolve_precision
+    from mtp_train.runtime.decode_runner import head_runner
+    from mtp_train.runtime.precision import resolve_precision
 
     precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, "cpu")
     print(f"eval: {precision.describe()}")
@@ -85,7 +86,7 @@ def main() -> None:
     tokenizer = load_tokenizer(recipe.target.path)
     heads, summaries = {}, {}
     for size in args.sizes:
-        heads[size] = apply_decode_weights(load_head(args.out / size / "head", target), precision)
+        heads[size] = head_runner(load_head(args.out / size / "head", target), precision, "target")
         summaries[size] = json.loads((args.out / size / "summary.json").read_text())
     prepared_dir = recipe.prepared_dir
     prompts = load_heldout(prepared_dir, args.num_prompts).prompts

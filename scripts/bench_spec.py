@@ -152,9 +152,10 @@ def build_long_prompt(tokenizer, sources: list[tuple[str, str]], tokens: int) ->
 
 def load_paths(names, target_dir: Path, head_dir: str, precision) -> list[DecodePath]:
     """Each path's target and head, loaded separately (separate weight copies)."""
-    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS
+    from mtp_train.runtime.decode_runner import HeadRunner, KernelDecoderLayer, apply_decode_path, head_runner
     from mtp_train.runtime.loader import load_model
-    from mtp_train.runtime.precision import apply_head_decode_weights, resolve_precision
+    from mtp_train.runtime.precision import resolve_precision
 
     paths = []
     for name in names:
@@ -162,19 +163,18 @@ def load_paths(names, target_dir: Path, head_dir: str, precision) -> list[Decode
             path_precision = {"auto": precision, "auto-kv-fp32": replace(precision, kv_cache_dtype="float32"),
                               "int8": resolve_precision("auto", "int8", "cpu")}[name]
             target = load_model(target_dir, device="cpu", precision=path_precision)
-            head = load_head(head_dir, target)
-            head_weights = apply_head_decode_weights(head, path_precision, "auto")
-            description = f"load_model(precision): {path_precision.describe()}; head draft weights {head_weights}"
+            head = head_runner(load_head(head_dir, target), path_precision, "auto")
+            description = f"load_model(precision): {path_precision.describe()}; head draft weights {head.decode_weights}"
         elif name == "kernels-fp32":
             target = apply_decode_path(load_model(target_dir, device="cpu", dtype="float32"), torch.float32,
                                        KERNEL_MAX_ROWS)
-            head = apply_decode_path(load_head(head_dir, target), torch.float32, KERNEL_MAX_ROWS)
+            head = HeadRunner(load_head(head_dir, target), torch.float32, KERNEL_MAX_ROWS)
             description = f"fp32 weights, CPU decode kernels up to {KERNEL_MAX_ROWS} rows"
         else:
             target = load_model(target_dir, device="cpu", dtype="float32")
             head = load_head(head_dir, target)
             description = "fp32 weights, the model's own torch ops (no decode path)"
-        kernels = sum(layer.decode_kernel is not None for layer in target.model.layers)
+        kernels = sum(isinstance(layer, KernelDecoderLayer) for layer in target.model.layers)
         paths.append(DecodePath(name, f"{description}; {kernels}/{len(target.model.layers)} layers on kernels",
                                 target, head))
     return paths
@@ -191,7 +191,8 @@ def load_head(head_dir: str, target):
 
 
 def few_row_weight(linear) -> torch.Tensor:
-    """The weight a linear's forward of one row reads: its decode copy (`DecodeLinear.small`) where it has one."""
+    """The weight a linear's forward of one row reads: its decode copy (`decode_runner.DecodeLinear.small`) where it
+    has one."""
     small = getattr(linear, "small", None)
     return small.weight if small is not None else linear.weight
 
@@ -202,7 +203,7 @@ def weight_bytes_per_step(target) -> int:
     dtype otherwise) plus the lm_head's one-row weight. The one embedding row is left out."""
     total = 0
     for layer in target.model.layers:
-        kernel = layer.decode_kernel
+        kernel = getattr(layer, "kernel", None)  # a decode_runner.KernelDecoderLayer's
         matrix_size = kernel.qkv.element_size() if kernel is not None else \
             few_row_weight(layer.self_attn.q_proj).element_size()
         for p in layer.parameters():
@@ -294,7 +295,7 @@ class AutoRun:
     precision: object
     target: object
     head: object
-    head_weights: str  # the weights the head's draft steps read (`apply_head_decode_weights`)
+    head_weights: str  # the weights the head's draft steps read (`decode_runner.head_runner`)
     trained: bool  # False: `--head` was not found and the head is untrained (same shapes and cost)
     tokenizer: object
     stop_token_ids: tuple[int, ...]
@@ -306,13 +307,14 @@ def load_auto_run(args) -> AutoRun:
     from mtp_train.assets import ensure_default_model
     from mtp_train.runtime.chat import stop_token_ids
     from mtp_train.runtime.loader import load_model, load_tokenizer
-    from mtp_train.runtime.precision import apply_head_decode_weights, resolve_precision
+    from mtp_train.runtime.decode_runner import head_runner
+    from mtp_train.runtime.precision import resolve_precision
 
     target_dir = Path(args.target) if args.target else ensure_default_model()
     precision = resolve_precision("auto", "auto", "cpu")
     target = load_model(target_dir, device="cpu", precision=precision)
-    head = load_head(args.head, target)
-    head_weights = apply_head_decode_weights(head, precision, "auto")
+    head = head_runner(load_head(args.head, target), precision, "auto")
+    head_weights = head.decode_weights
     trained = Path(args.head).is_dir()
     print(f"target: {precision.describe()}; head draft weights {head_weights}"
           f"{'' if trained else ' (untrained head: ' + args.head + ' not found)'}")

@@ -105,13 +105,14 @@ def test_a_head_chain_is_measured_where_the_head_drafts_it_in_one_call(models):
     without the one-call chain (prompt lookup) carries none."""
     from mtp_train.heads import DraftHead, HeadConfig
     from mtp_train.runtime import kernels
-    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS
+    from mtp_train.runtime.decode_runner import HeadRunner
 
     assert kernels.cpu_kernels() is not None, f"the CPU decode kernels did not build: {kernels.unavailable_reason()}"
     target = models["target"]
     torch.manual_seed(0)
     head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="last_layer"))
-    apply_decode_path(head, torch.float32, KERNEL_MAX_ROWS)
+    head = HeadRunner(head, torch.float32, KERNEL_MAX_ROWS)
     assert head.chains_in_one_call
     prompt = [(7 * i) % 90 + 2 for i in range(40)]
     curves = measure_cost_curves(target, {"mtp": head, "lookup": PromptLookup()}, prompt, ks=[1, 3], repeats=2,
