@@ -219,7 +219,7 @@ def kv_bytes_per_step(target, kv_len: int) -> int:
 
 
 def profile_path(path: DecodePath, prompt: str, ids: list[int], repeats: int, with_head: bool) -> StepProfile:
-    from mtp_train.runtime.spec.costs import head_step_seconds, target_step_rounds
+    from mtp_train.profile.costs import head_step_seconds, target_step_rounds
 
     buffer = torch.ones(READ_BUFFER_BYTES // 4, dtype=torch.float32)
     rounds = target_step_rounds(path.target, ids, [1, *VERIFY_ROWS], repeats=repeats, beside={"read": buffer.sum})
@@ -455,7 +455,7 @@ def main() -> None:
     best = max((name for name in totals if name.startswith("auto_mtp")), key=lambda n: totals[n].tokens_per_second)
     tree_fields = {}
     if trees:
-        from mtp_train.runtime.spec.costs import measure_tree_costs
+        from mtp_train.profile.costs import measure_tree_costs
 
         shapes = list({tree.shape.label: tree.shape for tree in trees.values()}.values())
         costs = measure_tree_costs(auto.target, short_ids, shapes, profiles["auto", "short"].decode_seconds,

@@ -150,9 +150,6 @@ class Eagle3Format(ExportFormat):
             },
         }
 
-    def serving_engines(self, head_config, target):
-        return ("vllm", "sglang")
-
     def build(self, state, head_config, target, dtype, options):
         """The mapped head tensors plus `lm_head.weight`: the target's lm_head rows of the draft vocabulary (all of
         them with the full vocabulary)."""
