@@ -295,9 +295,9 @@ class EvalSection(_Section):
         "a scale per row, through the CPU decode kernels: half of bf16's bytes; the verify keeps the output exact) "
         "| auto (int8 where the CPU kernels serve the head, else target)",
     )
-    cost_curve: bool = Field(True, description="measure decode/verify/draft-step costs before and after the runs "
-                             "(a few seconds each, averaged) and report the speedup they predict per k (best k by "
-                             "cost curve)")
+    cost_curve: bool = Field(False, description="also profile decode/verify/draft-step costs before and after the "
+                             "runs (a few seconds each, averaged) and report the speedup they predict per k (best k by "
+                             "cost curve) beside the measured one")
     batch_sizes: list[int] = Field(
         default_factory=lambda: [1], min_length=1,
         description="answer the prompts this many at a time, each batch size in turn (e.g. [1, 4, 16]): τ, tokens/s "

@@ -67,7 +67,7 @@ def main() -> None:
     from mtp_train.runtime.cpu import tune_malloc
     from mtp_train.runtime.loader import load_model, load_tokenizer
     from mtp_train.runtime.sampler import SamplingParams
-    from mtp_train.runtime.spec.costs import head_step_seconds, target_step_seconds
+    from mtp_train.profile.costs import head_step_seconds, target_step_seconds
 
     tune_malloc()
     recipe = load_recipe(args.recipe, args.overrides)

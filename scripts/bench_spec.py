@@ -16,9 +16,9 @@ Paths (each with its own target, weight copies and head):
    README/docs in one user message; the token counts are printed): one target decode step (ms); the bytes it streams
    (the decoder layers' and lm_head's weights in the dtype that path's few-row forward reads, plus the K/V history:
    2 × layers × kv_len × kv_heads × head_dim × cache element size) over its time, as a fraction of the read bandwidth
-   (a sum over a 256 MiB buffer, timed in the same interleaved rounds as the steps: the machine's read rate drifts
-   between ~35 and ~65 GB/s within seconds, so a rate measured at another moment gives fractions from 0.5 to 1.3 for
-   the same decode step); verify of n = 2, 4, 8 tokens relative to one decode step; one head draft step relative to
+   (a sum over a 256 MiB buffer, timed in the same interleaved rounds as the steps: a shared machine's read rate
+   drifts within seconds, so a rate measured at another moment gives another fraction for the same decode step;
+   docs/tuning.md); verify of n = 2, 4, 8 tokens relative to one decode step; one head draft step relative to
    one decode step (short prompt). Fractions and verify ratios are taken within each of 5 rounds (the same moment of
    the machine), their median reported; decode ms and the read rate are the best round's.
 2. Speculative speed on MT-bench prompts (`auto` path; the slower paths would take too long): transformers
@@ -29,10 +29,9 @@ Paths (each with its own target, weight copies and head):
    verify of the same size, relative to a decode step (short prompt).
 
 Ends with one `RESULT` line: `decode_bw_frac`, `verify4_over_decode` (auto, short prompt), `speedup_best` (auto, best
-MTP k over auto plain), `long_decode_over_short` (auto), per-path figures and the machine.
-
-Wall time on the 2-core AVX2 Zen 3 (idle): `--quick` (2 prompts, 48 new tokens, k = 1 and 3, fewer repeats) about
-3 minutes; the full run (6 prompts, 128 new tokens, k = 1..4) about 12."""
+MTP k over auto plain), `long_decode_over_short` (auto), per-path figures and the machine. `--quick`: 2 prompts, 48
+new tokens, k = 1 and 3, fewer repeats (the full run: 6 prompts, 128 new tokens, k = 1..4); their wall times are in
+docs/tuning.md."""
 
 from __future__ import annotations
 
@@ -220,7 +219,7 @@ def kv_bytes_per_step(target, kv_len: int) -> int:
 
 
 def profile_path(path: DecodePath, prompt: str, ids: list[int], repeats: int, with_head: bool) -> StepProfile:
-    from mtp_train.runtime.spec.costs import head_step_seconds, target_step_rounds
+    from mtp_train.profile.costs import head_step_seconds, target_step_rounds
 
     buffer = torch.ones(READ_BUFFER_BYTES // 4, dtype=torch.float32)
     rounds = target_step_rounds(path.target, ids, [1, *VERIFY_ROWS], repeats=repeats, beside={"read": buffer.sum})
@@ -457,7 +456,7 @@ def main() -> None:
     best = max((name for name in totals if name.startswith("auto_mtp")), key=lambda n: totals[n].tokens_per_second)
     tree_fields = {}
     if trees:
-        from mtp_train.runtime.spec.costs import measure_tree_costs
+        from mtp_train.profile.costs import measure_tree_costs
 
         shapes = list({tree.shape.label: tree.shape for tree in trees.values()}.values())
         costs = measure_tree_costs(auto.target, short_ids, shapes, profiles["auto", "short"].decode_seconds,
