@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtp_train.runtime.attention import BatchInfo, ancestor_mask
+from mtp_train.runtime.decode_runner import HeadRunner
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.model import CausalLM
 from mtp_train.runtime.sampler import SamplingParams
@@ -112,6 +113,7 @@ def head_step_seconds(target, head, prompt_ids: list[int], repeats: int = 50) ->
     """Seconds of one draft step of `head` (one token, vocabulary projection and argmax included), each after a target
     decode step, as in speculative decoding: the head's weights come from memory, not from a cache that repeated
     head steps keep warm (timed back to back, a head step reads about half its cost in the loop: docs/tuning.md)."""
+    head = head if isinstance(head, HeadRunner) else HeadRunner(head)  # as the proposers draft through it
     allocator = PageAllocator(2 * _pages(prompt_ids, 1), 16)
     cache, head_cache = target.new_kv_cache(allocator), head.new_kv_cache(allocator)
     seq, head_seq = Sequence(0), Sequence(1)
@@ -121,14 +123,10 @@ def head_step_seconds(target, head, prompt_ids: list[int], repeats: int = 50) ->
     head(torch.tensor(prompt_ids[1:]), out.hidden[:-1], BatchInfo.for_sequences([head_seq], [n], allocator), head_cache)
     last_hidden, token = out.hidden[-1:], torch.tensor(prompt_ids[-1:])
     first_row = torch.zeros(1, dtype=torch.long, device=target.device)
-    forward_with_logits = getattr(head, "forward_with_logits", None)  # a DraftHead: one kernel call on the CPU
 
     def step() -> None:
         batch = BatchInfo.for_sequences([head_seq], [1], allocator, advance=False)
-        if forward_with_logits is not None:
-            forward_with_logits(token, last_hidden, batch, head_cache, first_row)
-        else:
-            head.logits(head(token, last_hidden, batch, head_cache)).argmax(-1)
+        head.forward_with_logits(token, last_hidden, batch, head_cache, first_row)  # one kernel call where fused
         _synchronize(target.device)
 
     def target_step() -> None:
