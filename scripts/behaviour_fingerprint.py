@@ -55,7 +55,8 @@ def _run(target, draft, prompts, max_new_tokens, stops, k=1, sampling=SamplingPa
             "mean_acceptance_length": round((accepted + steps) / max(steps, 1), 6), "accepted": accepted, "drafted": drafted}
 
 
-def fingerprint(run_dir: Path, num_prompts: int, max_new_tokens: int, dtype: str | None = None) -> dict:
+def fingerprint(run_dir: Path, num_prompts: int, max_new_tokens: int, exports_dir: Path,
+                dtype: str | None = None) -> dict:
     recipe = load_recipe(run_dir / "recipe.resolved.yaml")
     device = resolve_device(recipe.target.device)
     target_dtype, decode_dtype = (dtype, "auto") if dtype else (recipe.target.dtype, recipe.target.decode_dtype)
@@ -83,16 +84,15 @@ def fingerprint(run_dir: Path, num_prompts: int, max_new_tokens: int, dtype: str
     methods["tree 4x2x8 t=0.8"] = _run(target, DraftTree(head, TreeShape(4, 2, 8)), prompts, max_new_tokens, stops,
                                        sampling=SamplingParams(temperature=0.8))
     exports = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for name in sorted(FORMATS):
-            out = Path(scratch) / name
-            try:
-                export_head(str(head_dir), name, out, recipe.target.path)
-            except UserError as err:  # a format that refuses this head: its message is the fingerprint
-                exports[name] = f"refused: {str(err).splitlines()[0][:120]}"
-                continue
-            exports[name] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16]
-                             for p in sorted(out.iterdir()) if p.is_file()}
+    for name in sorted(FORMATS):
+        out = exports_dir / name  # one path in every run: the serving files (and their checksums) name it
+        try:
+            export_head(str(head_dir), name, out, recipe.target.path, overwrite=True)
+        except UserError as err:  # a format that refuses this head: its message is the fingerprint
+            exports[name] = f"refused: {str(err).splitlines()[0][:120]}"
+            continue
+        exports[name] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+                         for p in sorted(out.iterdir()) if p.is_file()}
     return {"precision": precision.describe(), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "methods": methods, "exports": exports}
 
@@ -104,9 +104,11 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", help="target.dtype instead of the run's (decode dtype then auto), e.g. auto")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--exports-dir", type=Path, default=Path(tempfile.gettempdir()) / "mtp-train-fingerprint",
+                        help="where each format is exported (replaced on each run; keep it the same for runs compared)")
     parser.add_argument("--compare", type=Path, help="an earlier fingerprint: exit 1 and name what differs")
     args = parser.parse_args()
-    result = fingerprint(args.run, args.prompts, args.max_new_tokens, args.dtype)
+    result = fingerprint(args.run, args.prompts, args.max_new_tokens, args.exports_dir, args.dtype)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     if args.compare:
