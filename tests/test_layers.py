@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     "train": 4,
     "evaluate": 5,
     "export": 6,
-    "commands": 7, "cli": 7,
+    "commands": 7, "cli": 7, "cli_options": 3,
 }
 
 
