@@ -33,7 +33,7 @@ class RecipeOption:
 
     key: str  # dotted recipe key, e.g. "eval.limit"
     flag: str  # e.g. "--limit"
-    dest: str  # the argparse destination (None when the option is not given)
+    dest: str  # the argparse destination (absent from the namespace when the option is not given)
     is_list: bool
     is_bool: bool
 
@@ -95,7 +95,7 @@ def _option_kwargs(key: str, field: FieldInfo) -> tuple[dict[str, Any], bool, bo
     item = get_args(annotation)[0] if is_list else annotation
     bounds = _bounds(item) if is_list else _bounds(annotation, field)
     base = get_args(item)[0] if get_origin(item) is Annotated else item
-    kwargs: dict[str, Any] = {"default": None}
+    kwargs: dict[str, Any] = {"default": argparse.SUPPRESS}  # not given: no attribute (a given `null` is None)
     is_bool = base is bool and not is_list
     if is_bool:
         kwargs["action"] = argparse.BooleanOptionalAction
@@ -142,9 +142,9 @@ def recipe_overrides(args: argparse.Namespace) -> list[Override]:
     declared them)."""
     overrides = []
     for option in getattr(args, "recipe_options", ()):
-        value = getattr(args, option.dest)
-        if value is None:
+        if not hasattr(args, option.dest):
             continue
+        value = getattr(args, option.dest)
         if option.is_bool:
             origin = option.flag if value else "--no-" + option.flag.removeprefix("--")
         else:

@@ -77,9 +77,9 @@ def main() -> None:
             _train(args.recipe, args.overrides, size, args.steps, run_dir, args.nproc)
 
     from mtp_train.runtime.hardware import machine_fields
-    from mtp_train.runtime.precision import apply_decode_weights, resolve_precision
+    from mtp_train.runtime.precision import apply_decode_weights, resolve_section
 
-    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, "cpu")
+    precision = resolve_section(recipe.precision, "cpu")
     print(f"eval: {precision.describe()}")
     target = load_model(recipe.target.path, device="cpu", precision=precision)
     tokenizer = load_tokenizer(recipe.target.path)

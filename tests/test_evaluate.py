@@ -81,10 +81,12 @@ def test_eval_report_on_mt_bench_prompts(setup):
     assert f"{overall['mtp@k=3']['predicted_speedup']:.2f}× |" in markdown
 
 
-def test_eval_on_heldout_split_and_errors(setup):
+def test_eval_on_heldout_split_and_errors(setup, capsys):
     root, recipe, _ = setup
     report = evaluate(recipe, root / "head", None, None, 3, [2], 8, root / "report-heldout", show_progress=False,
                       prompt_lookup=False)
+    printed = capsys.readouterr().out
+    assert printed.count("compute dtype") == 1 and "eval: compute dtype float32 (as set)" in printed  # once per stage
     assert report["num_prompts"] == 3 and report["overall"]["mtp@k=2"]["greedy_match"]
     assert set(report["overall"]) == {"plain", "mtp@k=2"}
     settings = report["settings"]  # the dtypes that ran and the machine they ran on
@@ -92,7 +94,7 @@ def test_eval_on_heldout_split_and_errors(setup):
     assert settings["precision_reason"] == "set in the recipe" and settings["cpu_capability"]
     from mtp_train.runtime.kernels import cpu_kernels
 
-    # eval.head_decode_dtype auto: the head drafts on int8 weights where the CPU kernels serve it
+    # precision.head_decode auto: the head drafts on int8 weights where the CPU kernels serve it
     assert settings["head_decode_weights"] == ("int8" if cpu_kernels() is not None else "float32")
     with pytest.raises(UserError, match="prompts file not found"):
         load_mt_bench(root / "missing.jsonl")
