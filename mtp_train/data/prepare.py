@@ -292,9 +292,11 @@ class _SamplePipeline:
 
 
 def _inputs_fingerprint(recipe: Recipe, tokenizer_digest: str, row_limit: int | None) -> dict[str, Any]:
-    """Everything the prepared data depends on; equal inputs → the existing output is reused."""
+    """Everything the prepared data depends on; equal inputs → the existing output is reused. With
+    `data.regenerate` the replies are the target's, computed in the recipe's `precision` (compute, decode, K/V
+    cache): those keys too."""
     sources = [{"path": source.path, "sha256": path_content_hash(source.path)} for source in recipe.data.sources]
-    return {
+    fingerprint = {
         "format_version": PREPARED_FORMAT_VERSION,
         "code_version": mtp_train.__version__,
         "recipe_target_data_hash": recipe_hash(recipe, ["target", "data"]),
@@ -302,6 +304,9 @@ def _inputs_fingerprint(recipe: Recipe, tokenizer_digest: str, row_limit: int | 
         "sources": sources,
         "row_limit": row_limit,
     }
+    if recipe.data.regenerate.enabled:
+        fingerprint["regeneration_precision"] = recipe.precision.model_dump(include={"compute", "decode", "kv_cache"})
+    return fingerprint
 
 
 def prepare_dataset(

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = {
     "name", "target.path", "target.device", "data.output_dir", "precompute.output_dir", "train.run_dir",
     "train.max_steps", "train.epochs", "train.eval_every", "train.save_every", "train.keep_last",
+    "precision.head_decode",  # eval's: training never reads it
 }
 RESUME_CHECKED_SECTIONS = ("target", "precision", "precompute", "head", "train")
 HEAD_STORAGE_DTYPE = torch.bfloat16
