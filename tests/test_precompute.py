@@ -111,6 +111,20 @@ def test_kv_dtype_stores_the_states_a_decode_over_a_bf16_cache_computes(tmp_path
         run_precompute(load_recipe(RECIPE, overrides + ["precision.kv_cache=float32"]))
 
 
+def test_features_from_vllm_refuse_a_kv_cache_set_for_the_runtime(tmp_path):
+    """`precision.kv_cache` is the runtime's cache; features from vLLM attend over vLLM's
+    (precompute.vllm.kv_cache_dtype), so an explicit value is refused before anything starts, naming both keys."""
+    from mtp_train.recipe import load_recipe
+
+    _, overrides = tiny_pipeline(tmp_path, num_conversations=8)
+    recipe = load_recipe(RECIPE, overrides + ["precompute.backend=vllm", "precision.kv_cache=bfloat16",
+                                              f"precompute.output_dir={tmp_path / 'cache'}"])
+    with pytest.raises(UserError, match=r"precision.kv_cache bfloat16 is the runtime's K/V cache; .*"
+                                        r"precompute.vllm.kv_cache_dtype"):
+        run_precompute(recipe)
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("bf16_decode_wins", [True, False])
 def test_kv_dtype_auto_follows_the_k_v_cache_eval_decodes_over(tmp_path, monkeypatch, capsys, bf16_decode_wins):
     """`precision.kv_cache: auto` with `precision.compute: auto` on an AVX2-only CPU: precompute runs the fp32 target and
