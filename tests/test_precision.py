@@ -165,7 +165,7 @@ def test_precompute_resolves_the_served_kv_cache_without_decoding():
     training = resolve_section(section, "cpu", phases=("prefill",), facts=AVX2, decode_timer=_never_called)
     assert training.recipe_values() == {"compute": "float32"} and "K/V" not in training.describe()
     pinned = resolve_section(PrecisionSection(kv_cache="float32"), "cpu", phases=("prefill", "kv_cache"), facts=AVX2,
-                             decode_timer=lambda: _timing(4))
+                             decode_timer=_never_called)  # set: nothing to time
     assert pinned.kv_cache_dtype == "float32" and pinned.describe() == "compute dtype float32 (auto: " + pinned.reason + ")"
     with pytest.raises(ValueError, match="unknown phase"):
         resolve_precision("auto", "auto", "cpu", phases=("prefill", "verify"))

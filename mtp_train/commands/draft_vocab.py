@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_COVERAGE_SIZES = (4096, 8192, 16384, 32768)
-
-
 from mtp_train.cli_options import add_recipe_args, recipe_from_args
+
+DEFAULT_COVERAGE_SIZES = (4096, 8192, 16384, 32768)
 
 
 def register(subparsers) -> None:

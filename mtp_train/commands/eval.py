@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
 from mtp_train.cli_options import add_recipe_args, recipe_from_args
 
 # Recipe keys `eval` takes as options (cli_options: type, choices, limits and help from the recipe's fields).

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-
 from mtp_train.cli_options import add_recipe_args, recipe_from_args
 
 # Recipe keys `precompute` takes as options (cli_options: type, choices, limits and help from the recipe's fields).

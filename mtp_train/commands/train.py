@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from mtp_train.cli_options import add_recipe_args, recipe_from_args
 
 

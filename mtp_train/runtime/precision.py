@@ -258,7 +258,7 @@ def resolve_precision(
     precision = _resolve_weights(dtype, decode_dtype, device, facts, cuda_bf16, weights, reprobe, decode_timer,
                                  prefill_timer)
     served = precision
-    if "kv_cache" in phases and "decode" not in phases:
+    if "kv_cache" in phases and "decode" not in phases and kv_cache_dtype == "auto":
         served = _resolve_weights(dtype, decode_dtype, device, facts, cuda_bf16, ("prefill", "decode"), reprobe,
                                   decode_timer, prefill_timer)
     return replace(precision, kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype, served), phases=tuple(phases))
