@@ -78,6 +78,11 @@ def _bounds(annotation: Any, field: FieldInfo | None = None) -> list[str]:
     return texts
 
 
+def _text_or_null(text: str) -> str | None:
+    """A nullable string option's value: the text, or None for `null` or an empty value (as `--set` reads them)."""
+    return None if text.strip() in ("", "null") else text
+
+
 def _value(text: str) -> Any:
     """A non-string option's value as `--set` reads it (YAML: `3`, `0.5`, `null`, `true`); text that is not valid
     YAML is passed on as it is, for the recipe's validation to name."""
@@ -102,8 +107,9 @@ def _option_kwargs(key: str, field: FieldInfo) -> tuple[dict[str, Any], bool, bo
     elif get_origin(base) is Literal:
         kwargs["choices"] = [str(choice) for choice in get_args(base)]
     else:
-        kwargs["type"] = str if base is str else _value
-        kwargs["metavar"] = {int: "N", float: "X"}.get(base, "VALUE")
+        nullable = field.annotation is not annotation
+        kwargs["type"] = (_text_or_null if nullable else str) if base is str else _value
+        kwargs["metavar"] = {int: "N", float: "X", str: "TEXT"}.get(base, "VALUE")
     if is_list:
         kwargs["nargs"] = "+"
     default = field.get_default(call_default_factory=True)

@@ -69,8 +69,8 @@ class PrecisionSection(_Section):
     compute: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", json_schema_extra={"flag": "--dtype"},
         description="dtype the target's weights are held in and its many-row matmuls run in (prefill, precompute, "
-        "training); auto = bf16 on CUDA with bf16 and on CPUs with native bf16 matmul, else fp32, where the "
-        "bf16 GEMMs of those CPUs fall back to slow kernels (`mtp-train env` shows the choice and why)",
+        "training); auto = bf16 on CUDA with bf16 and on CPUs with native bf16 matmul, else fp32 (the bf16 GEMMs "
+        "of other CPUs fall back to slow kernels; `mtp-train env` shows the choice and why)",
     )
     decode: Literal["auto", "bfloat16", "float16", "float32", "int8"] = Field(
         "auto", json_schema_extra={"flag": "--decode-dtype"},

@@ -65,8 +65,8 @@ def test_an_option_sets_its_key_as_set_would(recipe_file: Path):
     assert untouched.eval.limit == 7 and untouched.precision.compute == "auto"  # not given: the recipe's value
     after_set = _subparser("eval").parse_args(["--recipe", str(recipe_file), "--set", "eval.limit=3", "--limit", "4"])
     assert recipe_from_args(after_set).eval.limit == 4  # options apply after every --set
-    nullable = _subparser("eval").parse_args(["--recipe", str(recipe_file), "--limit", "null"])
-    assert recipe_from_args(nullable).eval.limit is None
+    nullable = _subparser("eval").parse_args(["--recipe", str(recipe_file), "--limit", "null", "--prompts", "null"])
+    assert recipe_from_args(nullable).eval.limit is None and recipe_from_args(nullable).eval.prompts is None
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
