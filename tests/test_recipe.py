@@ -6,18 +6,22 @@ import argparse
 import os
 import stat
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import yaml
 
 from mtp_train.cli_options import add_recipe_args, recipe_from_args
 from mtp_train.errors import UserError
+from mtp_train.features.format import STORAGE_DTYPES
+from mtp_train.runtime.precision import DECODE_ONLY_DTYPES, DTYPE_NAMES, KV_CACHE_DTYPES
 from mtp_train.runtime.spec.engine import MAX_SPECULATIVE_TOKENS as ENGINE_LIMIT
 from mtp_train.recipe import (
     DEFAULT_RECIPE_PATH,
     MAX_SPECULATIVE_TOKENS,
     MOVED_KEYS,
     RESOLVED_RECIPE_FILENAME,
+    PrecisionSection,
     Recipe,
     load_recipe,
     recipe_hash,
@@ -262,3 +266,13 @@ def test_precision_section_defaults_and_resolved_values(tmp_path: Path) -> None:
 def test_eval_k_limit_is_the_engines() -> None:
     """The recipe bounds eval.num_speculative_tokens by the engine's limit without importing torch; pinned equal."""
     assert MAX_SPECULATIVE_TOKENS == ENGINE_LIMIT
+
+
+def test_precision_choices_are_what_the_stages_accept() -> None:
+    """The schema's choices (and so the options' and the validation's) are the values the runtime and the feature
+    cache take, so no stage re-checks them."""
+    choices = {name: set(get_args(field.annotation)) for name, field in PrecisionSection.model_fields.items()}
+    assert choices["compute"] == {"auto", *DTYPE_NAMES}
+    assert choices["decode"] == {"auto", *DTYPE_NAMES, *DECODE_ONLY_DTYPES}
+    assert choices["kv_cache"] == set(KV_CACHE_DTYPES)
+    assert choices["features"] == set(STORAGE_DTYPES)
