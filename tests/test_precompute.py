@@ -18,6 +18,7 @@ from mtp_train.errors import UserError
 from mtp_train.features.format import decode_hidden, encode_hidden, load_manifest
 from mtp_train.features.precompute import pack_batches, plan_rank_shards, run_precompute
 from mtp_train.features.verify import verify_features
+from mtp_train.recipe import load_recipe
 from tests.pipeline_fixtures import free_port, tiny_pipeline
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,7 +89,6 @@ def test_kv_dtype_stores_the_states_a_decode_over_a_bf16_cache_computes(tmp_path
     """`precision.kv_cache: bfloat16` on an fp32 target: the stored states are those of attention over keys and values
     rounded as a bf16 K/V cache holds them (the served target's), recorded in the manifest; a resume under another
     setting is refused."""
-    from mtp_train.recipe import load_recipe
     from mtp_train.runtime.attention import BatchInfo
     from mtp_train.runtime.loader import load_model
 
@@ -114,8 +114,6 @@ def test_kv_dtype_stores_the_states_a_decode_over_a_bf16_cache_computes(tmp_path
 def test_features_from_vllm_refuse_a_kv_cache_set_for_the_runtime(tmp_path):
     """`precision.kv_cache` is the runtime's cache; features from vLLM attend over vLLM's
     (precompute.vllm.kv_cache_dtype), so an explicit value is refused before anything starts, naming both keys."""
-    from mtp_train.recipe import load_recipe
-
     _, overrides = tiny_pipeline(tmp_path, num_conversations=8)
     recipe = load_recipe(RECIPE, overrides + ["precompute.backend=vllm", "precision.kv_cache=bfloat16",
                                               f"precompute.output_dir={tmp_path / 'cache'}"])
@@ -131,7 +129,6 @@ def test_kv_dtype_auto_follows_the_k_v_cache_eval_decodes_over(tmp_path, monkeyp
     rounds keys and values to bf16 when decode (timed, as eval times it) reads bf16 weights, so a bf16 K/V cache; an
     fp32 decode keeps them unrounded. `auto` is resolved once and printed once, and recipe.resolved.yaml records what
     it resolved to."""
-    from mtp_train.recipe import load_recipe
     from mtp_train.runtime import precision
     from tests.test_precision import AVX2
 
@@ -219,7 +216,6 @@ def test_verify_catches_flipped_byte_and_truncation(tmp_path):
 
 
 def test_refuses_to_append_for_another_target(tmp_path):
-    from mtp_train.recipe import load_recipe
     from tests.pipeline_fixtures import make_tiny_target
 
     recipe, overrides = tiny_pipeline(tmp_path, num_conversations=16)

@@ -42,6 +42,7 @@ from mtp_train.fileio import (
     write_json_atomic,
     write_output_marker,
 )
+from mtp_train.runtime.precision import TORCH_DTYPES, resolve_section
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
@@ -140,8 +141,6 @@ def _resolve_features_precision(section, device: torch.device, dist, rank: int):
     as they are written (bf16 where decode reads bf16 or int8 weights: an fp32 model on an AVX2-only CPU); over
     unrounded K/V the states differ by that rounding, and near-ties of the target's argmax resolve otherwise than in
     serving (docs/tuning.md session 15). `auto` is the cache `eval` decodes over (decode timing included)."""
-    from mtp_train.runtime.precision import resolve_section
-
     precision = resolve_section(section, device, phases=("prefill", "kv_cache")) if rank == 0 else None
     if dist is not None:
         box = [precision]
@@ -326,7 +325,6 @@ class _RuntimeTarget:
     def __init__(self, recipe, env: DistEnv, dist, layout, group):
         from mtp_train.recipe import with_precision
         from mtp_train.runtime.loader import resolve_device
-        from mtp_train.runtime.precision import TORCH_DTYPES
         from mtp_train.runtime.tensor_parallel import describe, load_model_tensor_parallel
 
         device = resolve_device(recipe.target.device)  # "cuda" without CUDA is an error, not a silent CPU run
