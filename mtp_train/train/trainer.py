@@ -244,8 +244,11 @@ def setup(recipe) -> TrainingRun:
     if use_cuda:
         torch.cuda.set_device(device)
 
-    # Compute dtype: `auto` resolves to the fastest many-row dtype this device has (runtime/precision.py).
-    precision = resolve_section(recipe.precision, device, phases=("prefill",))
+    # Compute dtype: `auto` resolves to the fastest many-row dtype this device has (runtime/precision.py), once: rank 0
+    # resolves it and every rank takes its answer (a timed choice cannot differ between ranks).
+    box = [resolve_section(recipe.precision, device, phases=("prefill",)) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    precision = box[0]
     recipe = with_precision(recipe, precision.recipe_values())
     if rank == 0:
         print(f"train: {precision.describe()}", flush=True)
