@@ -322,9 +322,9 @@ class EvalSection(_Section):
         description="draft tokens per speculative step (k), each value measured in turn")
     max_new_tokens: int = Field(128, ge=1, description="tokens generated per prompt at most")
     temperature: float = Field(0.0, ge=0.0, description="sampling temperature of every method; 0 = greedy")
-    cost_curve: bool = Field(True, description="measure decode/verify/draft-step costs before and after the runs "
-                             "(a few seconds each, averaged) and report the speedup they predict per k (best k by "
-                             "cost curve)")
+    cost_curve: bool = Field(False, description="also profile decode/verify/draft-step costs before and after the "
+                             "runs (a few seconds each, averaged) and report the speedup they predict per k (best k by "
+                             "cost curve) beside the measured one")
     batch_sizes: list[Annotated[int, Field(ge=1, le=MAX_EVAL_BATCH)]] = Field(
         default_factory=lambda: [1], min_length=1,
         description="answer the prompts this many at a time, each batch size in turn (e.g. [1, 4, 16]): τ, tokens/s "

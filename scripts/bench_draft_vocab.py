@@ -67,7 +67,7 @@ def main() -> None:
     from mtp_train.runtime.cpu import tune_malloc
     from mtp_train.runtime.loader import load_model, load_tokenizer
     from mtp_train.runtime.sampler import SamplingParams
-    from mtp_train.runtime.spec.costs import head_step_seconds, target_step_seconds
+    from mtp_train.profile.costs import head_step_seconds, target_step_seconds
 
     tune_malloc()
     recipe = load_recipe(args.recipe, args.overrides)
@@ -77,7 +77,8 @@ def main() -> None:
             _train(args.recipe, args.overrides, size, args.steps, run_dir, args.nproc)
 
     from mtp_train.runtime.hardware import machine_fields
-    from mtp_train.runtime.precision import apply_decode_weights, resolve_section
+    from mtp_train.runtime.decode_runner import head_runner
+    from mtp_train.runtime.precision import resolve_section
 
     precision = resolve_section(recipe.precision, "cpu")
     print(f"eval: {precision.describe()}")
@@ -85,7 +86,7 @@ def main() -> None:
     tokenizer = load_tokenizer(recipe.target.path)
     heads, summaries = {}, {}
     for size in args.sizes:
-        heads[size] = apply_decode_weights(load_head(args.out / size / "head", target), precision)
+        heads[size] = head_runner(load_head(args.out / size / "head", target), precision, "target")
         summaries[size] = json.loads((args.out / size / "summary.json").read_text())
     prepared_dir = recipe.prepared_dir
     prompts = load_heldout(prepared_dir, args.num_prompts).prompts

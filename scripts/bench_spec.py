@@ -16,9 +16,9 @@ Paths (each with its own target, weight copies and head):
    README/docs in one user message; the token counts are printed): one target decode step (ms); the bytes it streams
    (the decoder layers' and lm_head's weights in the dtype that path's few-row forward reads, plus the K/V history:
    2 × layers × kv_len × kv_heads × head_dim × cache element size) over its time, as a fraction of the read bandwidth
-   (a sum over a 256 MiB buffer, timed in the same interleaved rounds as the steps: the machine's read rate drifts
-   between ~35 and ~65 GB/s within seconds, so a rate measured at another moment gives fractions from 0.5 to 1.3 for
-   the same decode step); verify of n = 2, 4, 8 tokens relative to one decode step; one head draft step relative to
+   (a sum over a 256 MiB buffer, timed in the same interleaved rounds as the steps: a shared machine's read rate
+   drifts within seconds, so a rate measured at another moment gives another fraction for the same decode step;
+   docs/tuning.md); verify of n = 2, 4, 8 tokens relative to one decode step; one head draft step relative to
    one decode step (short prompt). Fractions and verify ratios are taken within each of 5 rounds (the same moment of
    the machine), their median reported; decode ms and the read rate are the best round's.
 2. Speculative speed on MT-bench prompts (`auto` path; the slower paths would take too long): transformers
@@ -29,10 +29,9 @@ Paths (each with its own target, weight copies and head):
    verify of the same size, relative to a decode step (short prompt).
 
 Ends with one `RESULT` line: `decode_bw_frac`, `verify4_over_decode` (auto, short prompt), `speedup_best` (auto, best
-MTP k over auto plain), `long_decode_over_short` (auto), per-path figures and the machine.
-
-Wall time on the 2-core AVX2 Zen 3 (idle): `--quick` (2 prompts, 48 new tokens, k = 1 and 3, fewer repeats) about
-3 minutes; the full run (6 prompts, 128 new tokens, k = 1..4) about 12."""
+MTP k over auto plain), `long_decode_over_short` (auto), per-path figures and the machine. `--quick`: 2 prompts, 48
+new tokens, k = 1 and 3, fewer repeats (the full run: 6 prompts, 128 new tokens, k = 1..4); their wall times are in
+docs/tuning.md."""
 
 from __future__ import annotations
 
@@ -152,9 +151,10 @@ def build_long_prompt(tokenizer, sources: list[tuple[str, str]], tokens: int) ->
 
 def load_paths(names, target_dir: Path, head_dir: str, precision) -> list[DecodePath]:
     """Each path's target and head, loaded separately (separate weight copies)."""
-    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS
+    from mtp_train.runtime.decode_runner import HeadRunner, KernelDecoderLayer, apply_decode_path, head_runner
     from mtp_train.runtime.loader import load_model
-    from mtp_train.runtime.precision import apply_head_decode_weights, resolve_precision
+    from mtp_train.runtime.precision import resolve_precision
 
     paths = []
     for name in names:
@@ -162,19 +162,18 @@ def load_paths(names, target_dir: Path, head_dir: str, precision) -> list[Decode
             path_precision = {"auto": precision, "auto-kv-fp32": replace(precision, kv_cache_dtype="float32"),
                               "int8": resolve_precision("auto", "int8", "cpu")}[name]
             target = load_model(target_dir, device="cpu", precision=path_precision)
-            head = load_head(head_dir, target)
-            head_weights = apply_head_decode_weights(head, path_precision, "auto")
-            description = f"load_model(precision): {path_precision.describe()}; head draft weights {head_weights}"
+            head = head_runner(load_head(head_dir, target), path_precision, "auto")
+            description = f"load_model(precision): {path_precision.describe()}; head draft weights {head.decode_weights}"
         elif name == "kernels-fp32":
             target = apply_decode_path(load_model(target_dir, device="cpu", dtype="float32"), torch.float32,
                                        KERNEL_MAX_ROWS)
-            head = apply_decode_path(load_head(head_dir, target), torch.float32, KERNEL_MAX_ROWS)
+            head = HeadRunner(load_head(head_dir, target), torch.float32, KERNEL_MAX_ROWS)
             description = f"fp32 weights, CPU decode kernels up to {KERNEL_MAX_ROWS} rows"
         else:
             target = load_model(target_dir, device="cpu", dtype="float32")
             head = load_head(head_dir, target)
             description = "fp32 weights, the model's own torch ops (no decode path)"
-        kernels = sum(layer.decode_kernel is not None for layer in target.model.layers)
+        kernels = sum(isinstance(layer, KernelDecoderLayer) for layer in target.model.layers)
         paths.append(DecodePath(name, f"{description}; {kernels}/{len(target.model.layers)} layers on kernels",
                                 target, head))
     return paths
@@ -191,7 +190,8 @@ def load_head(head_dir: str, target):
 
 
 def few_row_weight(linear) -> torch.Tensor:
-    """The weight a linear's forward of one row reads: its decode copy (`DecodeLinear.small`) where it has one."""
+    """The weight a linear's forward of one row reads: its decode copy (`decode_runner.DecodeLinear.small`) where it
+    has one."""
     small = getattr(linear, "small", None)
     return small.weight if small is not None else linear.weight
 
@@ -202,7 +202,7 @@ def weight_bytes_per_step(target) -> int:
     dtype otherwise) plus the lm_head's one-row weight. The one embedding row is left out."""
     total = 0
     for layer in target.model.layers:
-        kernel = layer.decode_kernel
+        kernel = getattr(layer, "kernel", None)  # a decode_runner.KernelDecoderLayer's
         matrix_size = kernel.qkv.element_size() if kernel is not None else \
             few_row_weight(layer.self_attn.q_proj).element_size()
         for p in layer.parameters():
@@ -219,7 +219,7 @@ def kv_bytes_per_step(target, kv_len: int) -> int:
 
 
 def profile_path(path: DecodePath, prompt: str, ids: list[int], repeats: int, with_head: bool) -> StepProfile:
-    from mtp_train.runtime.spec.costs import head_step_seconds, target_step_rounds
+    from mtp_train.profile.costs import head_step_seconds, target_step_rounds
 
     buffer = torch.ones(READ_BUFFER_BYTES // 4, dtype=torch.float32)
     rounds = target_step_rounds(path.target, ids, [1, *VERIFY_ROWS], repeats=repeats, beside={"read": buffer.sum})
@@ -294,7 +294,7 @@ class AutoRun:
     precision: object
     target: object
     head: object
-    head_weights: str  # the weights the head's draft steps read (`apply_head_decode_weights`)
+    head_weights: str  # the weights the head's draft steps read (`decode_runner.head_runner`)
     trained: bool  # False: `--head` was not found and the head is untrained (same shapes and cost)
     tokenizer: object
     stop_token_ids: tuple[int, ...]
@@ -306,13 +306,14 @@ def load_auto_run(args) -> AutoRun:
     from mtp_train.assets import ensure_default_model
     from mtp_train.runtime.chat import stop_token_ids
     from mtp_train.runtime.loader import load_model, load_tokenizer
-    from mtp_train.runtime.precision import apply_head_decode_weights, resolve_precision
+    from mtp_train.runtime.decode_runner import head_runner
+    from mtp_train.runtime.precision import resolve_precision
 
     target_dir = Path(args.target) if args.target else ensure_default_model()
     precision = resolve_precision("auto", "auto", "cpu")
     target = load_model(target_dir, device="cpu", precision=precision)
-    head = load_head(args.head, target)
-    head_weights = apply_head_decode_weights(head, precision, "auto")
+    head = head_runner(load_head(args.head, target), precision, "auto")
+    head_weights = head.decode_weights
     trained = Path(args.head).is_dir()
     print(f"target: {precision.describe()}; head draft weights {head_weights}"
           f"{'' if trained else ' (untrained head: ' + args.head + ' not found)'}")
@@ -455,7 +456,7 @@ def main() -> None:
     best = max((name for name in totals if name.startswith("auto_mtp")), key=lambda n: totals[n].tokens_per_second)
     tree_fields = {}
     if trees:
-        from mtp_train.runtime.spec.costs import measure_tree_costs
+        from mtp_train.profile.costs import measure_tree_costs
 
         shapes = list({tree.shape.label: tree.shape for tree in trees.values()}.values())
         costs = measure_tree_costs(auto.target, short_ids, shapes, profiles["auto", "short"].decode_seconds,

@@ -11,7 +11,7 @@ turns, greedy, batch 1, methods alternated prompt by prompt over `--rounds` roun
 - a head step (its forward, output projection and argmax) warm (right after another) and cold (right after a target
   decode step), and a handful of trivial torch ops likewise: the price of the emptied caches.
 
-The head runs twice: `mtp` through its one-call forward (`DraftHead.forward_with_logits`, the CPU decode path's
+The head runs twice: `mtp` through its one-call forward (`HeadRunner.forward_with_logits`, the CPU decode path's
 `mtp_head_forward`: what the eval runs), `mtp_per_op` with that switched off (the ~10 kernel calls of a head forward
 made one by one from Python, as before it existed); the head step is timed both ways too.
 
@@ -72,14 +72,14 @@ def cold_and_warm(fn, cool, repeats: int) -> tuple[float, float]:
 
 
 def without_fused_head(head, run):
-    """`run()` with the head's one-call forward (`DraftHead.set_decode_forward`) switched off: its forwards then make
-    the ~10 kernel calls one by one, as before that path existed."""
-    fused = head._borrowed.decode_forward
-    head.set_decode_forward(None)
+    """`run()` with the head runner's one-call forward (`HeadRunner.fused`) switched off: its forwards then make the
+    ~10 kernel calls one by one, as before that path existed."""
+    fused = head.fused
+    head.fused = None
     try:
         return run()
     finally:
-        head.set_decode_forward(fused)
+        head.fused = fused
 
 
 def main() -> None:

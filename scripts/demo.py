@@ -84,7 +84,7 @@ def _export_all(head_dir: Path, target: str, exports_dir: Path, timings: dict[st
     from mtp_train.errors import UserError
     from mtp_train.export import FORMAT_NAMES
     from mtp_train.export.exporter import export_head
-    from mtp_train.export.measured_settings import find_measured_settings, serving_num_speculative_tokens
+    from mtp_train.export.best_k import find_measured_k, serving_k
     from mtp_train.export.registry import get_format
     from mtp_train.export.vllm_serving import VLLM_FORMATS, vllm_serve_arguments, vllm_serve_command
     from mtp_train.heads.io import read_head_config
@@ -104,7 +104,7 @@ def _export_all(head_dir: Path, target: str, exports_dir: Path, timings: dict[st
     command = None
     vllm_format = VLLM_FORMATS.get(kind, (None,))[0]
     if vllm_format in written:
-        k, k_source = serving_num_speculative_tokens(find_measured_settings(head_dir, None)[0], None)  # as exported
+        k, k_source = serving_k(find_measured_k(head_dir, None)[0], None)  # as exported
         serve = vllm_serve_arguments(kind, str(Path(written[vllm_format]).resolve()), str(Path(target).resolve()), k)
         command = vllm_serve_command(serve, multiline=True)
     return {"written": written, "refused": refused, "vllm_format": vllm_format, "vllm": command,
@@ -157,7 +157,7 @@ def _summary(recipe, prepared_dir: Path, features_dir: Path, run_dir: Path, expo
             "draft_vocab_size": train_summary.get("draft_vocab_size"),
             "draft_vocab_coverage": train_summary.get("draft_vocab_coverage"),
             "compute_dtype": train_summary.get("compute_dtype"), "gflops": train_summary.get("gflops"),
-            "peak_gflops": train_summary.get("peak_gflops"), "fraction_of_peak": train_summary.get("fraction_of_peak"),
+            "tokens_per_s": train_summary.get("tokens_per_s"),
             "heldout_top1": {k: train_summary.get(f"val/step{k}/top1") for k in steps},
             "heldout_top3": {k: train_summary.get(f"val/step{k}/top3") for k in steps},
         },
@@ -177,22 +177,26 @@ def _summary(recipe, prepared_dir: Path, features_dir: Path, run_dir: Path, expo
 
 
 def _best_k(report: dict) -> dict:
-    """{draft name: the best k by its cost curve and by measurement, with the predicted and measured speedup of
-    each} from the eval report (empty for a report without a cost curve)."""
+    """{draft name: the best k by measurement and, where the eval ran the cost curve, by its prediction, with the
+    predicted and measured speedup of each} from the eval report."""
     overall = report.get("overall", {})
     best = {}
     for name, ks in (report.get("best_k") or {}).items():
         best[name] = {}
         for key in ("predicted", "measured"):
-            r = overall.get(f"{name}@k={ks[key]}", {})
-            best[name][key] = {"k": ks[key], "predicted_speedup": r.get("predicted_speedup"),
-                               "speedup": r.get("speedup")}
+            if key in ks:
+                r = overall.get(f"{name}@k={ks[key]}", {})
+                best[name][key] = {"k": ks[key], "predicted_speedup": r.get("predicted_speedup"),
+                                   "speedup": r.get("speedup")}
     return best
 
 
 def _best_k_line(name: str, best: dict) -> str:
-    """E.g. "best k by cost curve (mtp): 2 (predicted 1.31×, measured 1.28×); measured best: k = 3 (1.30×)"."""
-    by_curve, by_measurement = best["predicted"], best["measured"]
+    """E.g. "best k by cost curve (mtp): 2 (predicted 1.31×, measured 1.28×); measured best: k = 3 (1.30×)", or
+    without a cost curve "best k by measured speedup (mtp): 3 (1.30×)"."""
+    by_curve, by_measurement = best.get("predicted"), best["measured"]
+    if by_curve is None:
+        return f"best k by measured speedup ({name}): {by_measurement['k']} ({_fmt(by_measurement['speedup'], '.2f')}×)"
     line = (f"best k by cost curve ({name}): {by_curve['k']} "
             f"(predicted {_fmt(by_curve['predicted_speedup'], '.2f')}×, measured {_fmt(by_curve['speedup'], '.2f')}×)")
     if by_measurement["k"] != by_curve["k"]:
@@ -224,13 +228,12 @@ def _markdown(summary: dict) -> str:
     top1 = ", ".join(f"step {k}: {_fmt(v, '.1%')}" for k, v in train["heldout_top1"].items())
     lines.append(f"| held-out top-1 per unroll step | {top1} |")
     throughput = cache.get("throughput") or {}
-    if throughput.get("fraction_of_peak") is not None:
-        lines.append(f"| precompute speed | {throughput['tokens_per_s']:.0f} tok/s in {cache['compute_dtype']}, "
-                     f"{throughput['gflops']:.1f} GFLOP/s = {throughput['fraction_of_peak']:.0%} of the measured matmul "
-                     f"peak ({throughput['peak_gflops']:.1f} GFLOP/s) |")
-    if train.get("fraction_of_peak") is not None:
-        lines.append(f"| training speed | {train['gflops']:.1f} GFLOP/s in {train['compute_dtype']} = "
-                     f"{train['fraction_of_peak']:.0%} of the measured matmul peak ({train['peak_gflops']:.1f} GFLOP/s) |")
+    if throughput.get("tokens_per_s") is not None:
+        gflops = f", {throughput['gflops']:.1f} GFLOP/s" if throughput.get("gflops") is not None else ""
+        lines.append(f"| precompute speed | {throughput['tokens_per_s']:.0f} tok/s in {cache['compute_dtype']}{gflops} |")
+    if train.get("gflops") is not None:
+        lines.append(f"| training speed | {_fmt(train.get('tokens_per_s'), '.0f')} tok/s, {train['gflops']:.1f} GFLOP/s "
+                     f"in {train['compute_dtype']} |")
     lines.append("| stage times | " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + " |")
     decode = (f"{ev['dtype']}, decode weights {ev['decode_dtype']}" if ev.get("decode_dtype") not in (None, ev["dtype"])
               else ev.get("dtype"))
@@ -248,9 +251,9 @@ def _markdown(summary: dict) -> str:
         predicted = f"{r['predicted_speedup']:.2f}×" if r.get("predicted_speedup") is not None else ""
         lines.append(f"| {method}{best} | {_fmt(r['tau'])} | {acceptance} | {_fmt(r['tokens_per_s'], '.1f')} | "
                      f"{_fmt(r.get('speedup') or (1.0 if method == 'plain' else None), '.2f')}× | {predicted} |")
-    if ev.get("best_k"):
-        curves = ev.get("cost_curve") or {}
-        first = next(iter(curves.values()), {})
+    curves = ev.get("cost_curve") or {}
+    if curves:
+        first = next(iter(curves.values()))
         verify = ", ".join(f"verify({n}) {ratio:.2f}" for n, ratio in first.get("verify_over_decode", {}).items())
         lines += ["", f"Cost curve (first prompt, {first.get('prompt_tokens')} tokens): decode "
                   f"{_fmt(first.get('decode_ms'), '.1f')} ms; {verify} decode steps; draft step per decode: "
@@ -259,8 +262,9 @@ def _markdown(summary: dict) -> str:
                             + ", ".join(f"k = {k} {r:.3f}" for k, r in c["chain_over_decode"].items())
                             for name, c in curves.items() if c.get("chain_over_decode"))
                   + ". Predicted speedup at k = τ(k) / (verify(k+1)/decode + drafting(k)/decode), drafting(k) = "
-                  "the chain where timed, else k draft steps.", ""]
-        lines += [f"- {_best_k_line(name, best)}" for name, best in ev["best_k"].items()]
+                  "the chain where timed, else k draft steps."]
+    if ev.get("best_k"):
+        lines += [""] + [f"- {_best_k_line(name, best)}" for name, best in ev["best_k"].items()]
     exports = summary["exports"]
     lines += ["", "| export format | result |", "|---|---|"]
     lines += [f"| {name} | {where} ({get_format(name).description}) |" for name, where in exports["written"].items()]

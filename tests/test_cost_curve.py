@@ -1,4 +1,4 @@
-"""The cost curve of speculative decoding (runtime/spec/costs.py): the speedup it predicts per k, the best k, its
+"""The cost curve of speculative decoding (profile/costs.py): the speedup it predicts per k, the best k, its
 report form, and its measurement on tiny models for every kind of draft."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mtp_train.runtime.spec import PromptLookup
-from mtp_train.runtime.spec.costs import (
+from mtp_train.profile.costs import (
     CostCurve,
     draft_step_seconds,
     measure_cost_curves,
@@ -56,7 +56,7 @@ def test_verify_ratios_are_taken_within_rounds(monkeypatch):
     """A machine whose speed changes between rounds (rounds 2 and 4 twice as fast; in round 5 only the decode step
     ran fast): each verify's ratio is taken within a round and the median kept, so the fast decode of one round is
     never divided into another round's verify."""
-    import mtp_train.runtime.spec.costs as costs
+    import mtp_train.profile.costs as costs
 
     rounds = {1: [0.010, 0.005, 0.010, 0.005, 0.004], 2: [0.011, 0.0055, 0.011, 0.0055, 0.011]}
     monkeypatch.setattr(costs, "target_step_rounds", lambda *args, **kwargs: rounds)
@@ -105,13 +105,14 @@ def test_a_head_chain_is_measured_where_the_head_drafts_it_in_one_call(models):
     without the one-call chain (prompt lookup) carries none."""
     from mtp_train.heads import DraftHead, HeadConfig
     from mtp_train.runtime import kernels
-    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS
+    from mtp_train.runtime.decode_runner import HeadRunner
 
     assert kernels.cpu_kernels() is not None, f"the CPU decode kernels did not build: {kernels.unavailable_reason()}"
     target = models["target"]
     torch.manual_seed(0)
     head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="last_layer"))
-    apply_decode_path(head, torch.float32, KERNEL_MAX_ROWS)
+    head = HeadRunner(head, torch.float32, KERNEL_MAX_ROWS)
     assert head.chains_in_one_call
     prompt = [(7 * i) % 90 + 2 for i in range(40)]
     curves = measure_cost_curves(target, {"mtp": head, "lookup": PromptLookup()}, prompt, ks=[1, 3], repeats=2,

@@ -1,4 +1,5 @@
-"""The CPU decode kernels (`runtime/csrc/cpu_kernels.cpp`) and the decode path built on them (`runtime/cpu_decode.py`):
+"""The CPU decode kernels (`runtime/csrc/cpu_kernels.cpp`) and the decode path built on them (`runtime/cpu_decode.py`,
+`runtime/decode_runner.py`):
 each kernel against torch, verify rows bit-identical to decode steps, greedy speculative output identical to plain
 greedy with a head served by the kernels, bf16 decode weights within bf16 rounding, and the fallback without kernels.
 (Logits parity with transformers through the kernels on every architecture: tests/test_runtime_parity.py.)"""
@@ -12,13 +13,8 @@ import torch.nn.functional as F
 from mtp_train.heads import DraftHead, HeadConfig
 from mtp_train.runtime import kernels
 from mtp_train.runtime.attention import BatchInfo
-from mtp_train.runtime.cpu_decode import (
-    KERNEL_MAX_ROWS,
-    DecodeLinear,
-    SmallRowLinear,
-    apply_decode_path,
-    pack_gate_up,
-)
+from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, SmallRowLinear, pack_gate_up
+from mtp_train.runtime.decode_runner import DecodeLinear, HeadRunner, apply_decode_path, head_runner
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model
 from tests.spec_helpers import make_prompts, node_path, run_and_compare
@@ -199,6 +195,28 @@ def _kernel_model(path, dtype=torch.float32):
     return apply_decode_path(model, dtype, KERNEL_MAX_ROWS)
 
 
+def test_the_decode_path_replaces_modules_and_leaves_the_model_as_defined(ops, tiny_dir):
+    """`apply_decode_path` is a transform from outside the model: it replaces modules (no instance's class is
+    rewritten), the parameters stay the same tensors under the same names, and the model's own classes carry no
+    decode state; a head's decode-time pieces live in its `HeadRunner`."""
+    from mtp_train.runtime.decode_runner import DecodeRMSNorm, KernelDecoderLayer, KernelDecoderLayers
+    from mtp_train.runtime.model import DecoderLayer, DecoderLayers
+
+    model = load_model(tiny_dir, dtype="float32", device="cpu")
+    head = DraftHead.from_target(model, HeadConfig.for_target(model.config, kind="mtp", init="random"))
+    modules = [(type(m), m) for m in (*model.modules(), *head.modules())]
+    tensors = {k: v.data_ptr() for k, v in (*model.state_dict().items(), *head.state_dict().items())}
+    apply_decode_path(model, torch.bfloat16, KERNEL_MAX_ROWS)
+    runner = HeadRunner(head, torch.bfloat16, KERNEL_MAX_ROWS)
+    assert all(type(m) is cls for cls, m in modules)
+    assert {k: v.data_ptr() for k, v in (*model.state_dict().items(), *head.state_dict().items())} == tensors
+    assert isinstance(model.model.layers, KernelDecoderLayers) and model.model.layers.stack is not None
+    assert all(isinstance(layer, KernelDecoderLayer) for layer in (*model.model.layers, *head.layers))
+    assert isinstance(model.lm_head, DecodeLinear) and isinstance(model.model.norm, DecodeRMSNorm)
+    assert isinstance(head.eh_proj, DecodeLinear) and runner.fused is not None and runner.projection is not None
+    assert not any("decode" in name for cls in (DecoderLayer, DecoderLayers, DraftHead) for name in vars(cls))
+
+
 def _recording_ops(ops, record: dict):
     """A stand-in for the kernels' ops object: each op named in `record` calls `record[name](args)` (when not None)
     and then the real op."""
@@ -262,9 +280,9 @@ def test_greedy_speculative_equals_plain_greedy_through_the_kernels(ops, tiny_di
     target = _kernel_model(tiny_dir, torch.bfloat16)
     torch.manual_seed(0)
     head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="last_layer"))
-    apply_decode_path(head, torch.bfloat16, KERNEL_MAX_ROWS)
-    assert head.layers[0].decode_kernel is not None and isinstance(head.eh_proj, DecodeLinear)
-    _, stats = run_and_compare(target, head, make_prompts(batch_size), max_new_tokens=12, k=k)
+    runner = HeadRunner(head, torch.bfloat16, KERNEL_MAX_ROWS)
+    assert head.layers[0].kernel is not None and isinstance(head.eh_proj, DecodeLinear) and runner.chains_in_one_call
+    _, stats = run_and_compare(target, runner, make_prompts(batch_size), max_new_tokens=12, k=k)
     assert stats.accepted_tokens > 0  # a last-layer head agrees with its target now and then
 
 
@@ -285,9 +303,8 @@ def test_a_bf16_kv_cache_keeps_greedy_speculation_exact_and_logits_within_its_ro
     assert 0 < difference <= 0.02 * fp32_logits.abs().max()
     torch.manual_seed(0)
     head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="last_layer"))
-    if through_kernels:
-        apply_decode_path(head, torch.float32, KERNEL_MAX_ROWS)
-    _, stats = run_and_compare(target, head, make_prompts(3), max_new_tokens=12, k=3)
+    runner = HeadRunner(head, torch.float32, KERNEL_MAX_ROWS) if through_kernels else head
+    _, stats = run_and_compare(target, runner, make_prompts(3), max_new_tokens=12, k=3)
     assert stats.accepted_tokens > 0
 
 
@@ -508,7 +525,7 @@ def test_prefill_runs_bf16_gemms_only_on_native_bf16_cpus_with_bf16_decode_weigh
     tiny_dir = save_tiny_model(tmp_path, arch, seed=7)
     reference, bf16 = load_model(tiny_dir, dtype="float32", device="cpu"), _kernel_model(tiny_dir, torch.bfloat16)
     ids = torch.randint(2, 96, (24,), generator=torch.Generator().manual_seed(3)).tolist()  # 24 > 16 per sequence
-    layer = bf16.model.layers[0].decode_kernel
+    layer = bf16.model.layers[0].kernel
     assert layer.bf16_prefill is native
     allocator = PageAllocator(8, page_size=4)
     prefill = BatchInfo.for_sequences([Sequence(0)], [len(ids)], allocator, advance=False)
@@ -530,17 +547,17 @@ def test_greedy_speculative_equals_plain_greedy_with_bf16_prefill(ops, tiny_dir,
     target = _kernel_model(tiny_dir, torch.bfloat16)
     torch.manual_seed(0)
     head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="last_layer"))
-    apply_decode_path(head, torch.bfloat16, KERNEL_MAX_ROWS)
-    assert target.model.layers[0].decode_kernel.bf16_prefill and head.layers[0].decode_kernel.bf16_prefill
+    runner = HeadRunner(head, torch.bfloat16, KERNEL_MAX_ROWS)
+    assert target.model.layers[0].kernel.bf16_prefill and head.layers[0].kernel.bf16_prefill
     prompts = [p * 6 for p in make_prompts(3)]  # longer than the paged kernel's 16 tokens per sequence
     assert min(len(p) for p in prompts) > 16
-    run_and_compare(target, head, prompts, max_new_tokens=10, k=2)
+    run_and_compare(target, runner, prompts, max_new_tokens=10, k=2)
 
 
 def test_norms_outside_the_decoder_layers_use_the_kernel_norm_for_few_rows(ops, tiny_dir):
     """A target's final norm and a head's norms run the kernel's rms_norm for decode-sized inputs (same values as the
     module's formula, to float rounding), the module's own formula for many rows and under autograd."""
-    from mtp_train.runtime.cpu_decode import DecodeRMSNorm
+    from mtp_train.runtime.decode_runner import DecodeRMSNorm
     from mtp_train.runtime.model import RMSNorm
 
     target = _kernel_model(tiny_dir)
@@ -578,14 +595,14 @@ def test_the_layer_stack_call_computes_what_the_layers_compute_one_by_one(ops, t
     from mtp_train.runtime.cpu_decode import DecodeStack
 
     model = _kernel_model(save_tiny_model(tmp_path, arch, seed=3, num_hidden_layers=3, **overrides), weights)
-    stack = model.model.layers.decode_stack
+    stack = model.model.layers.stack
     assert isinstance(stack, DecodeStack)
     calls = []
     original_call = DecodeStack.__call__
     ids = torch.randint(2, 96, (23,), generator=torch.Generator().manual_seed(2)).tolist()
 
     def run(with_stack: bool):
-        model.model.layers.decode_stack = stack if with_stack else None
+        model.model.layers.stack = stack if with_stack else None
         allocator = PageAllocator(32, page_size=4)
         cache, seq = model.new_kv_cache(allocator), Sequence(0)
         outputs = []
@@ -610,7 +627,7 @@ def test_the_layer_stack_call_computes_what_the_layers_compute_one_by_one(ops, t
         without = run(False)
     finally:
         DecodeStack.__call__ = original_call
-        model.model.layers.decode_stack = stack
+        model.model.layers.stack = stack
     assert calls == [1, 1, 3, 4]  # every forward but the prefill (more than KERNEL_MAX_ROWS rows)
     assert len(with_stack) == len(without)
     for i, (a, b) in enumerate(zip(with_stack, without)):
@@ -618,10 +635,10 @@ def test_the_layer_stack_call_computes_what_the_layers_compute_one_by_one(ops, t
 
 
 def test_an_int8_head_drafts_through_the_kernels_and_greedy_output_stays_the_targets(ops, tiny_dir):
-    """`precision.head_decode` int8 (`apply_head_decode_weights`): the head's layer, input projection and draft
+    """`precision.head_decode` int8 (`head_runner`): the head's layer, input projection and draft
     projection hold int8 weights with row scales; the target's verify keeps greedy speculative output identical to
     plain greedy; `auto` picks int8 where the kernels serve the head, `target` keeps the target's decode weights."""
-    from mtp_train.runtime.precision import Precision, apply_head_decode_weights
+    from mtp_train.runtime.precision import Precision
 
     target = _kernel_model(tiny_dir, torch.bfloat16)
     precision = Precision("float32", "bfloat16", KERNEL_MAX_ROWS, "test")
@@ -629,13 +646,13 @@ def test_an_int8_head_drafts_through_the_kernels_and_greedy_output_stays_the_tar
     heads = {}
     for name in ("int8", "auto", "target"):
         torch.manual_seed(0)
-        heads[name] = DraftHead.from_target(target, config)
-        assert apply_head_decode_weights(heads[name], precision, name) == ("bfloat16" if name == "target" else "int8")
+        heads[name] = head_runner(DraftHead.from_target(target, config), precision, name)
+        assert heads[name].decode_weights == ("bfloat16" if name == "target" else "int8")
     for name, dtype in (("int8", torch.int8), ("auto", torch.int8), ("target", torch.bfloat16)):
-        head = heads[name]
-        assert head.layers[0].decode_kernel.qkv.dtype == dtype and head.eh_proj.small.weight.dtype == dtype
-        assert head._borrowed.decode_projection.weight.dtype == dtype
-    kernel = heads["int8"].layers[0].decode_kernel
+        runner = heads[name]
+        assert runner.head.layers[0].kernel.qkv.dtype == dtype and runner.head.eh_proj.small.weight.dtype == dtype
+        assert runner.projection.weight.dtype == dtype
+    kernel = heads["int8"].head.layers[0].kernel
     assert kernel.gate_up_scale.shape == (target.config.intermediate_size, 2)
     _, stats = run_and_compare(target, heads["int8"], make_prompts(3), max_new_tokens=12, k=2)
     assert stats.accepted_tokens > 0
@@ -643,17 +660,17 @@ def test_an_int8_head_drafts_through_the_kernels_and_greedy_output_stays_the_tar
 
 def test_an_int8_head_is_refused_where_the_kernels_do_not_serve_it(monkeypatch, tiny_dir):
     from mtp_train.errors import UserError
-    from mtp_train.runtime.precision import Precision, apply_head_decode_weights
+    from mtp_train.runtime.precision import Precision
 
     monkeypatch.setattr(kernels, "_state", {"ops": None, "reason": "disabled by the test"})
     target = load_model(tiny_dir, dtype="float32", device="cpu")
     head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="random"))
     precision = Precision("float32", "float32", 0, "test")
     with pytest.raises(UserError, match="kernels are unavailable .disabled by the test.; use target"):
-        apply_head_decode_weights(head, precision, "int8")
-    assert apply_head_decode_weights(head, precision, "auto") == "float32"  # auto falls back to the target's
+        head_runner(head, precision, "int8")
+    assert head_runner(head, precision, "auto").decode_weights == "float32"  # auto falls back to the target's
     with pytest.raises(UserError, match="expected one of auto, target, int8"):
-        apply_head_decode_weights(head, precision, "int4")
+        head_runner(head, precision, "int4")
 
 
 def test_an_int8_target_stays_within_its_quantization_and_speculates_losslessly(ops, tiny_dir):
@@ -664,14 +681,14 @@ def test_an_int8_target_stays_within_its_quantization_and_speculates_losslessly(
 
     fp32 = _kernel_model(tiny_dir)
     int8 = load_model(tiny_dir, device="cpu", precision=resolve_precision("auto", "int8", "cpu"))  # as stages load it
-    assert int8.lm_head.small.weight.dtype == torch.int8 and int8.model.layers[0].decode_kernel.qkv.dtype == torch.int8
+    assert int8.lm_head.small.weight.dtype == torch.int8 and int8.model.layers[0].kernel.qkv.dtype == torch.int8
     reference, logits = _verify_logits(fp32), _verify_logits(int8)
     difference = (reference - logits).abs().max()
     assert 0 < difference <= 0.05 * reference.abs().max()  # really the int8 copy, and only its rounding
     torch.manual_seed(0)
     head = DraftHead.from_target(int8, HeadConfig.for_target(int8.config, kind="mtp", init="last_layer"))
-    apply_decode_path(head, torch.bfloat16, KERNEL_MAX_ROWS)
-    _, stats = run_and_compare(int8, head, make_prompts(3), max_new_tokens=12, k=3)
+    _, stats = run_and_compare(int8, HeadRunner(head, torch.bfloat16, KERNEL_MAX_ROWS), make_prompts(3),
+                               max_new_tokens=12, k=3)
     assert stats.accepted_tokens > 0
 
 
@@ -687,8 +704,8 @@ def test_the_mtp_input_call_computes_what_the_separate_ops_compute(ops, tiny_dir
     head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="random"))
     for norm in (head.enorm, head.hnorm):
         norm.weight.data.uniform_(0.5, 1.5)
-    apply_decode_path(head, weights, KERNEL_MAX_ROWS)
-    fused = head._borrowed.decode_input
+    runner = HeadRunner(head, weights, KERNEL_MAX_ROWS)
+    fused = runner.mtp_input
     assert isinstance(fused, DecodeMTPInput)
     served = []
     fused.ops = _recording_ops(ops, {"mtp_input": lambda args: served.append(args[0].numel())})
@@ -701,11 +718,11 @@ def test_the_mtp_input_call_computes_what_the_separate_ops_compute(ops, tiny_dir
         for rows in (KERNEL_MAX_ROWS + 2, 3, 1, 1):  # a catch-up after a prefill, a catch-up, two draft steps
             ids = torch.randint(0, 96, (rows,), generator=gen.manual_seed(rows))
             hidden = torch.randn(rows, target.config.hidden_size, generator=gen.manual_seed(rows))
-            outs.append(head(ids, hidden, BatchInfo.for_sequences([seq], [rows], allocator), cache))
+            outs.append(runner(ids, hidden, BatchInfo.for_sequences([seq], [rows], allocator), cache))
         return outs
 
     with_fused = run()
-    head._borrowed.decode_input = None
+    runner.mtp_input = None
     separate = run()
     assert served == [3, 1, 1]
     for a, b in zip(with_fused, separate):
@@ -729,8 +746,8 @@ def test_the_one_call_head_forward_computes_what_the_per_op_path_computes(ops, t
         head.set_draft_vocab(torch.arange(0, 2 * draft_vocab, 2))
     for norm in (head.enorm, head.hnorm, head.norm):
         norm.weight.data.uniform_(0.5, 1.5)
-    apply_decode_path(head, weights, KERNEL_MAX_ROWS)
-    fused = head._borrowed.decode_forward
+    runner = HeadRunner(head, weights, KERNEL_MAX_ROWS)
+    fused = runner.fused
     assert isinstance(fused, DecodeHeadForward)
     served = []
     fused.ops = _recording_ops(ops, {"mtp_head_forward": lambda args: served.append(args[0].numel())})
@@ -749,11 +766,11 @@ def test_the_one_call_head_forward_computes_what_the_per_op_path_computes(ops, t
             batch = BatchInfo.for_sequences(seqs, rows, allocator)
             last_rows = batch.last_token_indices()
             with torch.inference_mode():
-                outs.append(head.forward_with_logits(ids, hidden, batch, cache, last_rows))
+                outs.append(runner.forward_with_logits(ids, hidden, batch, cache, last_rows))
         return outs
 
     with_fused = run()
-    head.set_decode_forward(None)
+    runner.fused = None
     per_op = run()
     assert served == [5, 2]
     for fused_out, per_op_out in zip(with_fused, per_op):
@@ -763,7 +780,7 @@ def test_the_one_call_head_forward_computes_what_the_per_op_path_computes(ops, t
     assert logits.shape == (2, draft_vocab or target.config.vocab_size)
     assert torch.equal(with_fused[1][2], logits.argmax(-1))
 
-    head.set_decode_forward(fused)
+    runner.fused = fused
     if draft_vocab is not None:  # a new draft vocabulary: the fused path's projection copy is stale, it steps aside
         head.set_draft_vocab(torch.arange(1, 2 * draft_vocab, 2))
         served.clear()
@@ -774,10 +791,10 @@ def test_the_one_call_head_forward_computes_what_the_per_op_path_computes(ops, t
 @pytest.mark.parametrize("weights,draft_vocab", [(torch.float32, None), (torch.int8, 64)], ids=["fp32", "int8-vocab"])
 def test_the_greedy_chain_in_one_call_drafts_what_the_step_by_step_chain_drafts(ops, tiny_dir, weights, draft_vocab):
     """The MTP chain's greedy catch-up + draft steps as one kernel call (`mtp_head_chain`, via
-    `DraftHead.greedy_chain`): speculative output stays plain greedy's, and every draft is the step-by-step chain's
+    `HeadRunner.greedy_chain`): speculative output stays plain greedy's, and every draft is the step-by-step chain's
     (the acceptance counters and head forwards agree with the per-op path's); batches whose sequences draft different
     numbers of tokens (the last steps) and a prefill's catch-up (above max_rows) take the step-by-step path."""
-    from mtp_train.runtime.precision import Precision, apply_head_decode_weights
+    from mtp_train.runtime.precision import Precision
 
     target = _kernel_model(tiny_dir, torch.bfloat16)
     torch.manual_seed(0)
@@ -786,15 +803,15 @@ def test_the_greedy_chain_in_one_call_drafts_what_the_step_by_step_chain_drafts(
     if draft_vocab is not None:
         head.set_draft_vocab(torch.arange(draft_vocab))
     precision = Precision("float32", "bfloat16", KERNEL_MAX_ROWS, "test")
-    apply_head_decode_weights(head, precision, "int8" if weights == torch.int8 else "target")
-    fused = head._borrowed.decode_forward
+    runner = head_runner(head, precision, "int8" if weights == torch.int8 else "target")
+    fused = runner.fused
     chains = []
     fused.ops = _recording_ops(ops, {"mtp_head_forward": None,
                                      "mtp_head_chain": lambda args: chains.append(args[-2])})  # num_drafts
     prompts = make_prompts(3)
-    _, chained = run_and_compare(target, head, prompts, max_new_tokens=14, k=3)
-    head.set_decode_forward(None)
-    _, per_op = run_and_compare(target, head, prompts, max_new_tokens=14, k=3)
+    _, chained = run_and_compare(target, runner, prompts, max_new_tokens=14, k=3)
+    runner.fused = None
+    _, per_op = run_and_compare(target, runner, prompts, max_new_tokens=14, k=3)
     assert chains and set(chains) <= {1, 2, 3} and 3 in chains
     assert chained.accepted_tokens > 0
     for key in ("accepted_per_position", "drafted_per_position", "draft_forwards", "target_forwards"):

@@ -18,7 +18,8 @@ from mtp_train.runtime.config import load_config
 from mtp_train.runtime.deepseek import ABSORB_MAX_QUERY, DeepseekDecoderLayer, DeepseekForCausalLM, LatentCache
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model
-from mtp_train.runtime.precision import Precision, apply_decode_weights
+from mtp_train.runtime.decode_runner import KernelDecoderLayer, apply_decode_weights
+from mtp_train.runtime.precision import Precision
 from tests.deepseek_models import ARCHS, save_tiny_deepseek
 from tests.paged_checks import check_decode_token_by_token, check_ragged_verify, check_verify_batch
 
@@ -183,7 +184,7 @@ def test_decode_weights_leave_deepseek_layers_to_their_module(arch):
     model = load_model(arch[0].source_dir, device="cpu",
                        precision=Precision("float32", "float32", 0, "test", requested="float32"))
     apply_decode_weights(model, Precision("float32", "float32", 0, "test", requested="float32"))
-    assert all(isinstance(layer, DeepseekDecoderLayer) and getattr(layer, "decode_kernel", None) is None
+    assert all(isinstance(layer, DeepseekDecoderLayer) and not isinstance(layer, KernelDecoderLayer)
                for layer in model.model.layers)
     allocator = PageAllocator(16, page_size=4)
     cache = model.new_kv_cache(allocator)

@@ -81,6 +81,40 @@ def test_eval_report_on_mt_bench_prompts(setup):
     assert f"{overall['mtp@k=3']['predicted_speedup']:.2f}× |" in markdown
 
 
+def test_eval_without_a_cost_curve_profiles_nothing_and_still_measures_speedup(setup, monkeypatch):
+    """`eval.cost_curve` false (the schema's default): the eval calls nothing of the profile layer, and the report
+    still gives each method's measured speedup and each draft's best k by it (what `mtp-train export` reads)."""
+    import mtp_train.evaluate.evaluation as evaluation
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the eval profiled step costs without eval.cost_curve")
+
+    monkeypatch.setattr(evaluation, "measure_cost_curves", refuse)
+    monkeypatch.setattr(evaluation, "measure_tree_costs", refuse)
+    root, recipe, prompts = setup
+    assert recipe.eval.cost_curve  # the demo recipe asks for the curve explicitly
+    unprofiled = recipe.model_copy(update={"eval": recipe.eval.model_copy(update={"cost_curve": False})})
+    out = root / "report-unprofiled"
+    report = evaluate(unprofiled, root / "head", None, prompts, None, [1, 2], 8, out, show_progress=False)
+    overall = report["overall"]
+    assert "cost_curve" not in report
+    for name in ("mtp", "lookup"):
+        speedups = {k: overall[f"{name}@k={k}"]["speedup"] for k in (1, 2)}
+        assert all(s > 0 for s in speedups.values())
+        assert all("predicted_speedup" not in overall[f"{name}@k={k}"] for k in (1, 2))
+        assert report["best_k"][name] == {"measured": max((1, 2), key=lambda k: speedups[k])}
+    markdown = (out / "report.md").read_text()
+    assert "## Cost curve" not in markdown and "Best k by measured speedup: mtp k = " in markdown
+
+
+def test_a_recipe_that_does_not_ask_for_the_cost_curve_gets_none():
+    from mtp_train.recipe import load_recipe
+
+    recipes = Path(__file__).resolve().parent.parent / "recipes"
+    assert load_recipe(recipes / "qwen2.5-coder-1.5b-mtp.yaml", []).eval.cost_curve is False  # no eval.cost_curve key
+    assert load_recipe(RECIPE, []).eval.cost_curve is True  # `make demo` asks for it
+
+
 def test_eval_on_heldout_split_and_errors(setup, capsys):
     root, recipe, _ = setup
     report = evaluate(recipe, root / "head", None, None, 3, [2], 8, root / "report-heldout", show_progress=False,
@@ -151,7 +185,7 @@ def test_report_gives_per_prompt_speedup_quartiles_and_mean_acceptance_length(tm
     from mtp_train.evaluate.report import build_report, write_markdown
     from mtp_train.evaluate.runner import MethodTotals
     from mtp_train.runtime.spec import SpecStats
-    from mtp_train.runtime.spec.costs import CostCurve
+    from mtp_train.profile.costs import CostCurve
 
     plain, mtp = MethodTotals(), MethodTotals()
     for prompt, (ratio, verifies) in enumerate([(3, 3), (1, 9), (4, 3), (2, 3)]):

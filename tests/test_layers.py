@@ -1,7 +1,8 @@
 """The package's layers: data flows one way, so no module imports from a layer above its own.
 
-runtime, vllm_engine < heads < recipe/data/features/assets < train < evaluate < export < commands (and the
-`mtp-train` entry point). The shared base (errors, fileio, fingerprint) sits below everything. Every import counts, including the
+runtime, vllm_engine < heads < profile < recipe/data/features/assets < train < evaluate < export < commands (and
+the `mtp-train` entry point). `profile` (measurement: the eval's cost curve, the bench scripts' step timings) sits
+above what it measures; of the stages only `evaluate` calls it, and only when the recipe asks (`eval.cost_curve`). The shared base (errors, fileio, fingerprint) sits below everything. Every import counts, including the
 ones inside functions (the CLI keeps heavy imports lazy, so a top-level-only check would miss most of them).
 """
 
@@ -18,15 +19,20 @@ PACKAGE_DIR = Path(mtp_train.__file__).parent
 
 # Layer of each top-level part of the package (a subpackage or a module), lowest first.
 LAYERS: dict[str, int] = {
-    "__init__": 0, "__main__": 8, "errors": 0, "fileio": 0, "fingerprint": 0, "cpu_kinds": 0,
+    "__init__": 0, "__main__": 9, "errors": 0, "fileio": 0, "fingerprint": 0, "cpu_kinds": 0,
     "runtime": 1, "vllm_engine": 1,
     "heads": 2,
-    "recipe": 3, "data": 3, "features": 3, "assets": 3,
-    "train": 4,
-    "evaluate": 5,
-    "export": 6,
-    "commands": 7, "cli": 7, "cli_options": 3,
+    "profile": 3,
+    "recipe": 4, "data": 4, "features": 4, "assets": 4, "cli_options": 4,
+    "train": 5,
+    "evaluate": 6,
+    "export": 7,
+    "commands": 8, "cli": 8,
 }
+
+# The stages that measure nothing: they log their own speed and call no profile (no peak probe, no cost curve).
+UNPROFILED_STAGES = ("data", "features", "train", "export")
+PROBES = ("mtp_train.profile", "mtp_train.runtime.hardware")
 
 
 def _part_of(module: str) -> str:
@@ -86,6 +92,17 @@ def test_no_import_from_a_higher_layer():
                 violations.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{line} ({importer}, layer "
                                   f"{LAYERS[importer]}) imports {imported} ({target}, layer {LAYERS[target]})")
     assert violations == [], "imports against the layering:\n" + "\n".join(violations)
+
+
+def test_the_stages_that_measure_nothing_import_no_probe():
+    """prepare, precompute, train and export import neither the profile layer nor the machine probes of
+    `runtime.hardware` (the matmul peak): they log tokens/s and counted FLOP/s only."""
+    found = []
+    for path in _package_files():
+        if _part_of(_module_name(path)) in UNPROFILED_STAGES:
+            found += [f"{path.relative_to(PACKAGE_DIR.parent)}:{line} imports {name}" for line, name in _imports(path)
+                      if name.startswith(PROBES)]
+    assert found == [], "\n".join(found)
 
 
 @pytest.mark.parametrize("source, expected", [

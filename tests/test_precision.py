@@ -10,11 +10,10 @@ from torch import nn
 
 from mtp_train.errors import UserError
 from mtp_train.runtime.hardware import CpuFacts
-from mtp_train.runtime.cpu_decode import DecodeLinear
+from mtp_train.runtime.decode_runner import DecodeLinear, apply_decode_weights
 from mtp_train.runtime.kernels import cpu_kernels
 from mtp_train.runtime.precision import (
     Precision,
-    apply_decode_weights,
     decode_probe,
     decode_rows_for_bf16,
     resolve_precision,

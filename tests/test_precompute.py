@@ -148,6 +148,23 @@ def test_kv_dtype_auto_follows_the_k_v_cache_eval_decodes_over(tmp_path, monkeyp
     assert (resolved.compute, resolved.decode, resolved.kv_cache) == ("float32", "auto", kv)
 
 
+def test_precompute_probes_no_peak_and_records_its_speed(tmp_path, monkeypatch, capsys):
+    """Precompute records tokens/s and the target's counted GFLOP/s in its manifest and prints them; it runs no probe
+    of the machine's matmul peak (scripts/bench_precompute.py does)."""
+    import mtp_train.runtime.hardware as hardware
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("precompute probed the machine's matmul peak")
+
+    monkeypatch.setattr(hardware, "measure_matmul_gflops", no_probe)
+    recipe, _ = tiny_pipeline(tmp_path, num_conversations=20)
+    run_precompute(recipe)
+    throughput = load_manifest(Path(recipe.precompute.output_dir))["throughput"]
+    assert throughput["tokens"] > 0 and throughput["tokens_per_s"] > 0 and throughput["gflops"] > 0
+    assert not {"peak_gflops", "fraction_of_peak"} & set(throughput)
+    assert f"{throughput['tokens_per_s']:.0f} tok/s, {throughput['gflops']:.1f} GFLOP/s" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_torchrun_two_ranks_cover_every_sample_once(tmp_path):
     recipe, overrides = tiny_pipeline(tmp_path, num_conversations=30)

@@ -14,6 +14,7 @@ import yaml
 from mtp_train.cli_options import add_recipe_args, recipe_from_args
 from mtp_train.errors import UserError
 from mtp_train.features.format import STORAGE_DTYPES
+from mtp_train.runtime.decode_runner import HEAD_DECODE_DTYPES
 from mtp_train.runtime.precision import DECODE_ONLY_DTYPES, DTYPE_NAMES, KV_CACHE_DTYPES
 from mtp_train.runtime.spec.engine import MAX_SPECULATIVE_TOKENS as ENGINE_LIMIT
 from mtp_train.recipe import (
@@ -276,3 +277,4 @@ def test_precision_choices_are_what_the_stages_accept() -> None:
     assert choices["decode"] == {"auto", *DTYPE_NAMES, *DECODE_ONLY_DTYPES}
     assert choices["kv_cache"] == set(KV_CACHE_DTYPES)
     assert choices["features"] == set(STORAGE_DTYPES)
+    assert choices["head_decode"] == set(HEAD_DECODE_DTYPES)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mtp_train.runtime.attention import BatchInfo
-from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS
+from mtp_train.runtime.decode_runner import KernelDecoderLayer, apply_decode_path
 from mtp_train.runtime.kernels import cpu_kernels
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model
@@ -60,7 +61,7 @@ def arch(request, tmp_path_factory):
     if path_kind == "kernels":
         assert cpu_kernels() is not None, "the CPU decode kernels did not build (g++ and ninja are needed)"
         apply_decode_path(model, torch.float32, KERNEL_MAX_ROWS)
-        assert all(layer.decode_kernel is not None for layer in model.model.layers)
+        assert all(isinstance(layer, KernelDecoderLayer) for layer in model.model.layers)
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(2, 96, (n,), generator=gen).tolist() for n in (19, 5, 12)]
     references = [hf_logits(path, ids) for ids in sequences]

@@ -161,7 +161,8 @@ def test_batched_decode_and_verify_match_transformers(real, smollm2_dir, batch_s
     """`batch_size` prompts of different lengths: one ragged prefill, a decode step and a verify of 3 tokens for
     all of them, fp32 on the CPU decode path (the kernels for up to 16 rows, GEMMs on the same fp32 weights above,
     attention over the pages in place either way), against transformers' logits of each prompt alone."""
-    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS
+    from mtp_train.runtime.decode_runner import apply_decode_path
 
     _, hf, _ = real
     model = apply_decode_path(load_model(smollm2_dir, dtype="float32", device="cpu"), torch.float32, KERNEL_MAX_ROWS)

@@ -70,6 +70,25 @@ def test_torchrun_zero2_two_ranks_loss_falls_and_head_has_no_frozen_tensors(feat
     assert summary["world_size"] == 2 and "val/step1/top1" in summary
 
 
+def test_training_probes_no_peak_and_logs_its_speed(features, monkeypatch):
+    """Training's summary gives tokens/s and the head's counted GFLOP/s; it runs no probe of the machine's matmul
+    peak (scripts/bench_train.py does)."""
+    import mtp_train.runtime.hardware as hardware
+    from mtp_train.train import trainer
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("training probed the machine's matmul peak")
+
+    monkeypatch.setattr(hardware, "measure_matmul_gflops", no_probe)
+    root, overrides = features
+    run_dir = root / "run-speed"
+    trainer.run_training(load_recipe(RECIPE, overrides + [f"train.run_dir={run_dir}", "train.max_steps=2"]),
+                         show_progress=False)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tokens_per_s"] > 0 and summary["gflops"] > 0
+    assert not {"peak_gflops", "fraction_of_peak"} & set(summary)
+
+
 @pytest.mark.parametrize("init", ["random", "last_layer"])
 def test_frozen_target_tensors_unchanged(features, monkeypatch, init):
     """Training reads only the target's frozen parts (never builds the whole target; the last layer only for init

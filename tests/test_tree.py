@@ -141,7 +141,8 @@ def test_eagle3_head_drafts_trees(tmp_path):
 @pytest.mark.parametrize("decode_dtype", [torch.float32, torch.bfloat16])
 def test_greedy_tree_through_the_decode_kernels(tmp_path, decode_dtype):
     from mtp_train.runtime import kernels
-    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
+    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS
+    from mtp_train.runtime.decode_runner import HeadRunner, apply_decode_path
     from mtp_train.runtime.loader import load_model
     from tests.tiny_models import save_tiny_model
 
@@ -149,8 +150,7 @@ def test_greedy_tree_through_the_decode_kernels(tmp_path, decode_dtype):
         pytest.skip(f"CPU decode kernels unavailable: {kernels.unavailable_reason()}")
     target = load_model(save_tiny_model(tmp_path / "t", "llama", seed=7), dtype="float32", device="cpu")
     apply_decode_path(target, decode_dtype, KERNEL_MAX_ROWS)
-    head = make_head(target, "last_layer")
-    apply_decode_path(head, decode_dtype, KERNEL_MAX_ROWS)
+    head = HeadRunner(make_head(target, "last_layer"), decode_dtype, KERNEL_MAX_ROWS)
     for shape in ("3x2x6", "4x4x28"):  # 28 nodes: the verify rows exceed the kernels' 16 per sequence
         for batch_size in (1, 4):
             run_and_compare(target, DraftTree(head, TreeShape.parse(shape), PromptLookup()),
@@ -164,14 +164,15 @@ def test_real_smollm2_greedy_trees_match_generate(smollm2_dir):
     with the prompt-lookup branch, at batch 2 give plain greedy's tokens, and every page comes back."""
     from mtp_train.runtime.chat import encode_chat
     from mtp_train.runtime.loader import load_model, load_tokenizer
-    from mtp_train.runtime.precision import apply_decode_weights, resolve_precision
+    from mtp_train.runtime.decode_runner import head_runner
+    from mtp_train.runtime.precision import resolve_precision
 
     precision = resolve_precision("float32", "auto", "cpu")
     target = load_model(smollm2_dir, device="cpu", precision=precision)
     tokenizer = load_tokenizer(smollm2_dir)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": text}])
                for text in ("What is the capital of France?", "Write a haiku about the sea.")]
-    head = apply_decode_weights(make_head(target, "last_layer"), precision)
+    head = head_runner(make_head(target, "last_layer"), precision, "target")
     reference, _ = generate(target, prompts, 16)
     for tree in (DraftTree(head, TreeShape(5, 3, 16), PromptLookup()),):
         allocator = PageAllocator(64, page_size=16)

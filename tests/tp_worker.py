@@ -24,7 +24,8 @@ from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.generate import generate
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.loader import load_model
-from mtp_train.runtime.precision import apply_decode_weights, resolve_precision
+from mtp_train.runtime.decode_runner import KernelDecoderLayer, head_runner
+from mtp_train.runtime.precision import resolve_precision
 from mtp_train.runtime.spec import speculative_generate
 from mtp_train.runtime.tensor_parallel import ParallelLayout, init_tensor_parallel, load_model_tensor_parallel
 
@@ -71,7 +72,7 @@ def _case(path: str, decode_path: str, group) -> dict:
     result = {"max_abs_diff": {k: _diff(expected[k], got[k]) for k in expected if k != "kv_cache_heads"},
               "kv_cache_heads": int(got["kv_cache_heads"]), "full_kv_heads": int(expected["kv_cache_heads"]),
               "local_heads": sharded.model.layers[0].self_attn.num_heads,
-              "used_kernels": sharded.model.layers[0].decode_kernel is not None}
+              "used_kernels": isinstance(sharded.model.layers[0], KernelDecoderLayer)}
     # Greedy speculation with an MTP head (the TP=1 target's last layer, copied) over the TP=2 target.
     torch.manual_seed(0)
     head_config = HeadConfig.for_target(reference.config, kind="mtp", init="last_layer")
@@ -79,7 +80,7 @@ def _case(path: str, decode_path: str, group) -> dict:
     head = DraftHead.from_target(sharded, HeadConfig.for_target(sharded.config, kind="mtp", init="random"))
     head.load_state_dict(reference_head.state_dict())
     if precision is not None:
-        apply_decode_weights(head, precision)
+        head = head_runner(head, precision, "target")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, reference.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 11)]
     plain_tp1, _ = generate(reference, prompts, 12, page_size=4)

@@ -35,12 +35,12 @@ def register(subparsers) -> None:
                    "speculators_config); default: the eval report's best k by measured speedup, else 3")
     report = p.add_mutually_exclusive_group()
     report.add_argument("--eval-report", default=None, metavar="FILE",
-                        help="the head's `mtp-train eval` report.json (or its directory): its best chain k and "
-                        "draft-tree settings (by τ and by measured speedup) go into config.json's "
-                        "mtp_train.speculative, with the values SGLang/vLLM take; default: "
-                        "<head>/../eval/report.json when it measured this head")
+                        help="the head's `mtp-train eval` report.json (or its directory): its best chain k by "
+                        "measured speedup (with the τ and speedup per k) goes into config.json's "
+                        "mtp_train.speculative and is the serving k; default: <head>/../eval/report.json when it "
+                        "measured this head")
     report.add_argument("--no-eval-report", action="store_true",
-                        help="record no measured settings, even if an eval report of the head exists")
+                        help="record no measured k, even if an eval report of the head exists")
     p.add_argument("--full-vocab", action="store_true",
                    help="export a head trained with a reduced draft vocabulary as a full-vocabulary head (it then "
                    "drafts over the whole vocabulary: τ changes, measure it with eval --head on the export) in a "
@@ -50,15 +50,16 @@ def register(subparsers) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from mtp_train.export.best_k import describe
     from mtp_train.export.common import BLOCK_KEY, CONFIG_FILENAME
     from mtp_train.export.exporter import export_head
-    from mtp_train.export.measured_settings import serving_summary
     from mtp_train.fileio import read_json_object
 
     out = export_head(args.head, args.format, args.out, args.target, dtype=args.dtype, overwrite=args.overwrite,
                       num_speculative_tokens=args.num_speculative_tokens, full_vocab=args.full_vocab,
                       eval_report=args.eval_report, use_eval_report=not args.no_eval_report)
     print(f"wrote {args.format} export to {out}")
-    for line in serving_summary(read_json_object(out / CONFIG_FILENAME), BLOCK_KEY):
+    line = describe(read_json_object(out / CONFIG_FILENAME), BLOCK_KEY)
+    if line is not None:
         print(line)
     return 0

@@ -1,28 +1,30 @@
 """One evaluation: plain decoding, a draft (head or model) and the prompt-lookup baseline at each k, over the same
-prompts with the same settings; then each draft's cost curve (decode, verify and draft step times on the same loaded
-models) and the speedup it predicts per k; report.json, report.md, plots, and the results logged into the training
-run. The draft arrives loaded (`mtp-train eval` loads any head format through `export.load_any_head`)."""
+prompts with the same settings, and the measured speedup of each; when asked (`eval.cost_curve`), each draft's cost
+curve from the profile layer (decode, verify and draft step times on the same loaded models) and the speedup it
+predicts per k; report.json, report.md, plots, and the results logged into the training run. The draft arrives
+loaded (`mtp-train eval` loads any head format through `export.load_any_head`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from mtp_train.profile.costs import CostCurve, measure_cost_curves, measure_tree_costs
 from mtp_train.train.tracking import read_metric_rows
 
 
 def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, draft_kind: str, draft_path: str,
              prompts_path, limit, ks, max_new_tokens, out_dir: Path, log_run_dir: Path | None = None,
-             show_progress: bool = True, prompt_lookup: bool = True, cost_curve: bool = True,
+             show_progress: bool = True, prompt_lookup: bool = True, cost_curve: bool = False,
              batch_sizes: tuple[int, ...] = (1,), trees: tuple[str, ...] = ()) -> dict:
     """Plain decoding, `draft` (reported as `draft_method`@k) and, if `prompt_lookup`, the n-gram baseline, at each
     k and each of `batch_sizes`: the first batch size gives the report's main tables ("overall", per category),
     every one its entry in "by_batch_size" and a point of the speedup-against-batch-size plot. `target` is loaded
-    with `precision`; the draft computes like it. With `cost_curve`, each draft's step costs are measured before and
-    after the runs on the first prompt at batch 1 (`runtime.spec.costs.measure_cost_curves`, a few seconds each) and
-    averaged (a shared machine's state moves within a run: once measured only after the runs, in a fast spell, the
-    curve predicted 1.10× where the runs measured 1.25×), and the report gives the speedup they predict beside the
-    measured one.
+    with `precision`; the draft computes like it. The report's speedups are measured: tokens/s against plain
+    decoding's on the same prompts. Only with `cost_curve` (the recipe's `eval.cost_curve`) does the eval also profile
+    each draft's step costs (`profile.costs.measure_cost_curves`, a few seconds each) on the first prompt at batch 1,
+    before and after the runs, averaged (a shared machine's state moves within a run: docs/tuning.md), and the
+    report gives the speedup they predict beside the measured one.
 
     `trees`: tree drafting with the head beside its chain, one method per 'DEPTHxTOPKxNODES' (a hybrid tree with the
     prompt-lookup branch: 'DEPTHxTOPKxNODES+lookup'), reported as "<draft_method>@tree=..."; with `cost_curve` each
@@ -35,7 +37,6 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
     from mtp_train.runtime.hardware import machine_name
     from mtp_train.runtime.sampler import SamplingParams
     from mtp_train.runtime.spec import PromptLookup
-    from mtp_train.runtime.spec.costs import CostCurve, measure_cost_curves
 
     if prompts_path:
         prompt_set = load_mt_bench(prompts_path, limit)
@@ -58,8 +59,6 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
         curves_after = measure_cost_curves(target, drafts, curve_prompt, ks)
         curves = {name: CostCurve.averaged([curves_before[name], curves_after[name]]) for name in curves_after}
         if tree_drafts:
-            from mtp_train.runtime.spec.costs import measure_tree_costs
-
             shapes = list({tree.shape.label: tree.shape for tree in tree_drafts.values()}.values())
             tree_costs = measure_tree_costs(target, curve_prompt, shapes, curves_after[draft_method].decode_s)
         if show_progress:

@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # runner imports the runtime (torch); `compare` imports this module for its plot helpers
     from mtp_train.evaluate.runner import MethodTotals
-    from mtp_train.runtime.spec.costs import CostCurve, TreeCost
+    from mtp_train.profile.costs import CostCurve, TreeCost
 
 
 def build_report(totals: dict[str, dict[str, MethodTotals]], meta: dict[str, Any],
                  cost_curves: dict[str, CostCurve] | None = None,
                  tree_costs: dict[str, TreeCost] | None = None) -> dict[str, Any]:
-    """The report: `meta`, each method's numbers overall and per category, the draft's best method; with
-    `cost_curves` ({draft name: its measured step costs}), each curve (`cost_curve`), the speedup it predicts for
-    each "<name>@k=<k>" from the τ measured there (`predicted_speedup`), and per draft the best k by the prediction
-    and by the measurement (`best_k`). Tree methods ("<name>@tree=DxKxN[+lookup]") get a `trees` section against
+    """The report: `meta`, each method's numbers overall and per category, the draft's best method, per draft the
+    best k by measured speedup (`best_k`); with `cost_curves` ({draft name: its profiled step costs}), each curve
+    (`cost_curve`), the speedup it predicts for each "<name>@k=<k>" from the τ measured there (`predicted_speedup`),
+    and the best k by that prediction. Tree methods ("<name>@tree=DxKxN[+lookup]") get a `trees` section against
     the draft's chain (`_add_trees`), with `tree_costs` ({shape label: TreeCost}) their verify cost and prediction."""
     plain = totals["plain"]
     categories = sorted(c for c in plain if c != "all")
@@ -28,8 +28,7 @@ def build_report(totals: dict[str, dict[str, MethodTotals]], meta: dict[str, Any
                 report["per_category"].setdefault(category, {})[method] = by_category[category].summary(
                     plain.get(category) if method != "plain" else None
                 )
-    if cost_curves:
-        _add_predictions(report, cost_curves)
+    _add_best_k(report, cost_curves or {})
     draft_name = meta.get("draft_method")
     if any("@tree=" in method for method in report["overall"]):
         _add_trees(report, draft_name, tree_costs or {}, cost_curves or {})
@@ -52,21 +51,39 @@ def batch_summary(totals: dict[str, dict[str, MethodTotals]], num_prompts: int, 
     }
 
 
-def _add_predictions(report: dict[str, Any], cost_curves: dict[str, CostCurve]) -> None:
-    """Into `report`: the curves, `predicted_speedup` on each draft's overall "<name>@k=<k>" numbers and `best_k`."""
-    report["cost_curve"] = {name: curve.as_dict() for name, curve in cost_curves.items()}
-    report["best_k"] = {}
-    for name, curve in cost_curves.items():
-        by_k = {int(method.rsplit("@k=", 1)[1]): r for method, r in report["overall"].items()
-                if method.startswith(f"{name}@k=")}  # k -> that method's overall numbers
+def measured_best_k(speedup_by_k: dict[int, float]) -> int:
+    """The k with the largest measured speedup, the smaller k on a tie: the report's `best_k.<draft>.measured`, and
+    the k `mtp-train export` writes for serving."""
+    return max(sorted(speedup_by_k), key=lambda k: speedup_by_k[k])
+
+
+def chain_results(overall: dict[str, Any], name: str) -> dict[int, Any]:
+    """{k: the overall numbers of "<name>@k=<k>"}."""
+    prefix = f"{name}@k="
+    return {int(method[len(prefix):]): r for method, r in overall.items()
+            if method.startswith(prefix) and method[len(prefix):].isdigit()}
+
+
+def _add_best_k(report: dict[str, Any], cost_curves: dict[str, CostCurve]) -> None:
+    """Into `report`: per draft with chain methods ("<name>@k=<k>") `best_k.<name>.measured` (the largest measured
+    speedup); with its cost curve also the curve (`cost_curve`), `predicted_speedup` on each of those methods'
+    overall numbers and `best_k.<name>.predicted`."""
+    if cost_curves:
+        report["cost_curve"] = {name: curve.as_dict() for name, curve in cost_curves.items()}
+    best_k = {}
+    for name in dict.fromkeys(method.rsplit("@k=", 1)[0] for method in report["overall"] if "@k=" in method):
+        by_k = chain_results(report["overall"], name)
         if not by_k:
             continue
-        for k, r in by_k.items():
-            r["predicted_speedup"] = round(curve.predicted_speedup(r["tau"], k), 4)
-        report["best_k"][name] = {
-            "predicted": curve.best_k({k: r["tau"] for k, r in by_k.items()}),
-            "measured": max(sorted(by_k), key=lambda k: by_k[k].get("speedup", 0.0)),
-        }
+        best_k[name] = {}
+        curve = cost_curves.get(name)
+        if curve is not None:
+            for k, r in by_k.items():
+                r["predicted_speedup"] = round(curve.predicted_speedup(r["tau"], k), 4)
+            best_k[name]["predicted"] = curve.best_k({k: r["tau"] for k, r in by_k.items()})
+        best_k[name]["measured"] = measured_best_k({k: r.get("speedup", 0.0) for k, r in by_k.items()})
+    if best_k:
+        report["best_k"] = best_k
 
 
 def _add_trees(report: dict[str, Any], draft_name: str | None, tree_costs: dict[str, TreeCost],
@@ -241,6 +258,12 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
             f"{r['speedup_median']:.2f}× [{r['speedup_p25']:.2f}, {r['speedup_p75']:.2f}]" if "speedup_median" in r
             else "", _match_cell(r),
         ]))
+    if report.get("best_k"):
+        bests = []
+        for name, best in report["best_k"].items():
+            k = best["measured"]
+            bests.append(f"{name} k = {k} ({report['overall'][f'{name}@k={k}'].get('speedup', 0.0):.2f}×)")
+        lines += ["", "Best k by measured speedup: " + "; ".join(bests) + "."]
     if report.get("trees"):
         lines += _tree_lines(report)
     if report.get("cost_curve"):

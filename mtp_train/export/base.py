@@ -110,11 +110,6 @@ class ExportFormat:
         loader drops; None when they can."""
         return None
 
-    def serving_engines(self, head_config: HeadConfig, target: Target) -> tuple[str, ...]:
-        """The engines ("vllm", "sglang") that load this export of `head_config` for `target` and take speculative
-        settings: config.json's mtp_train.speculative gets their values (export/measured_settings.py)."""
-        return ()
-
     def serving_files(self, config: dict[str, Any]) -> dict[str, Any]:
         """Files that tell how to serve the export (from the config.json being written): {name: JSON or bytes}."""
         return {}

@@ -139,13 +139,6 @@ class DeepSeekMTPFormat(ExportFormat):
         )
         return config
 
-    def serving_engines(self, head_config, target):
-        """vLLM DeepSeekMTP and SGLang DeepseekV3ForCausalLMNextN (a MoE block only) load it over a DeepSeek-V3 target;
-        no engine over another (see `_deepseek_config`'s engine_support)."""
-        if target.config.model_type != "deepseek_v3":
-            return ()
-        return ("vllm", "sglang") if head_config.block_mlp == "moe" else ("vllm",)
-
     def _deepseek_config(self, config: dict[str, Any], head_config, target) -> dict[str, Any]:
         """A DeepSeek target's engine config: the routing spelled out and the block's MLP kind made explicit through
         `first_k_dense_replace` (see the module docstring)."""

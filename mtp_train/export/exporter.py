@@ -12,7 +12,7 @@ from mtp_train.export.common import (
     BLOCK_KEY, CHECKSUMS_KEY, CONFIG_FILENAME, DRAFT_VOCAB_TENSORS, HEAD_CONFIG_FILENAME, WEIGHTS_FILENAME, Target,
     check_out_dir, parse_dtype, write_directory,
 )
-from mtp_train.export.measured_settings import SPECULATIVE_KEY, find_measured_settings, serving_num_speculative_tokens
+from mtp_train.export.best_k import SPECULATIVE_KEY, find_measured_k, serving_k
 from mtp_train.export.registry import get_format
 from mtp_train.fileio import json_bytes, safetensors_bytes
 from mtp_train.heads.io import check_finite, head_config_bytes, read_head, sha256_hex
@@ -37,9 +37,9 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
     `num_speculative_tokens`: k in the serving arguments a format writes (vllm-mtp's vllm_serve.json / SERVING.md,
     eagle3's speculators_config); None: the eval report's best k by measured speedup, else 3.
     `eval_report`: the head's `mtp-train eval` report.json (or its directory); None: `<head>/../eval/report.json`
-    when it measured this head. Its best chain and tree settings go into config.json's `mtp_train.speculative`
-    (export/measured_settings.py); without a report nothing is written there (the log line says so);
-    `use_eval_report` False ignores any report.
+    when it measured this head. Its best chain k by measured speedup, with the τ and speedup measured per k, goes
+    into config.json's `mtp_train.speculative` (export/best_k.py); without a report nothing is written there and
+    the serving k is 3 (the log line says so); `use_eval_report` False ignores any report.
     A head trained with a reduced draft vocabulary is written as a full-vocabulary head (its d2t/t2d dropped: it
     then drafts over the target's whole lm_head) by the formats whose layout has no draft vocabulary (deepseek-mtp,
     vllm-mtp), and by every format with `full_vocab`: its logits over the draft ids are unchanged, the rows it was
@@ -60,8 +60,8 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
     target = Target.from_directory(target_dir)
     if not head_dir.is_dir():
         raise UserError(f"{head_dir}: head directory not found")
-    measured, measured_note = find_measured_settings(head_dir, eval_report, use_eval_report)
-    num_speculative_tokens, k_source = serving_num_speculative_tokens(measured, num_speculative_tokens)
+    measured, measured_note = find_measured_k(head_dir, eval_report, use_eval_report)
+    num_speculative_tokens, k_source = serving_k(measured, num_speculative_tokens)
     state, head_config = read_head(head_dir, target.config, target.fingerprint)
     full_vocab_from = None
     if head_config.draft_vocab_size is not None and (full_vocab or fmt.draft_vocab is None):
@@ -94,10 +94,9 @@ def export_head(head_dir: str | os.PathLike[str], format_name: str, out: str | o
     if full_vocab_from is not None:
         config[BLOCK_KEY]["full_vocab_from_draft_vocab_size"] = full_vocab_from
     if measured is not None:
-        config[BLOCK_KEY][SPECULATIVE_KEY] = measured.block(fmt.serving_engines(head_config, target),
-                                                            num_speculative_tokens, k_source)
+        config[BLOCK_KEY][SPECULATIVE_KEY] = measured.block()
     else:
-        measured_note += ": config.json records no measured speculative settings"
+        measured_note += ": config.json records no measured k"
     measured_note += f"; serving k = {num_speculative_tokens} ({k_source})"
     contents = {name: c if isinstance(c, bytes) else json_bytes(c) for name, c in files.items()}
     contents[WEIGHTS_FILENAME] = safetensors_bytes(tensors, {"mtp_train_format": fmt.name, "kind": head_config.kind})

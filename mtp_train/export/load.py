@@ -23,6 +23,8 @@ from mtp_train.fileio import recover_replaced_directory
 from mtp_train.heads.draft_head import DraftHead
 from mtp_train.heads.io import build_head, check_head_state, check_target, load_head, read_safetensors
 from mtp_train.heads.vocab import ids_from_d2t
+from mtp_train.runtime.decode_runner import head_runner
+from mtp_train.runtime.loader import load_model, load_tokenizer
 from mtp_train.runtime.model import CausalLM
 
 log = logging.getLogger(__name__)
@@ -76,16 +78,11 @@ def load_any_head(directory: str | os.PathLike[str], target: CausalLM, dtype: to
 def load_draft(target: CausalLM, tokenizer, precision, head: str | None = None, draft_model: str | None = None,
                head_decode_dtype: str = "auto"):
     """The draft of speculative decoding over `target` (loaded with `precision`): the head at `head` (a trainer's
-    head/ or any export format), its weights in the target's compute dtype and its draft steps reading the decode
-    weights `head_decode_dtype` names (`precision.apply_head_decode_weights`; the name is kept in the head's
+    head/ or any export format) as a `HeadRunner`, its weights in the target's compute dtype and its draft steps reading
+    the decode weights `head_decode_dtype` names (`decode_runner.head_runner`; the name is kept in its
     `decode_weights`), or the smaller model at `draft_model`, which must share the target's tokenizer."""
-    from mtp_train.runtime.loader import load_model, load_tokenizer
-    from mtp_train.runtime.precision import apply_head_decode_weights
-
     if head:
-        draft = load_any_head(head, target, dtype=target.dtype)
-        draft.decode_weights = apply_head_decode_weights(draft, precision, head_decode_dtype)
-        return draft
+        return head_runner(load_any_head(head, target, dtype=target.dtype), precision, head_decode_dtype)
     target_vocab, draft_vocab = tokenizer.get_vocab(), load_tokenizer(draft_model).get_vocab()
     if target_vocab != draft_vocab:
         differing = len(set(target_vocab.items()) ^ set(draft_vocab.items()))

@@ -139,9 +139,6 @@ class VllmMTPFormat(ExportFormat):
         )
         return config
 
-    def serving_engines(self, head_config, target):
-        return ("vllm",)
-
     def format_state(self, state, head_config, target):
         out = dict(state)
         out["eh_proj.weight"] = swap_halves(state["eh_proj.weight"])

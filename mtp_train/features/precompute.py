@@ -351,14 +351,6 @@ class _RuntimeTarget:
         return {"backend": "runtime", "kv_dtype": self.kv_dtype,
                 "tensor_parallel": self.layout.tensor_parallel}  # informational: TP changes rounding, not layout
 
-    def peak_gflops(self) -> float | None:
-        """This rank's matmul ceiling (CPU), measured while all ranks start, as they run."""
-        if self.device.type != "cpu":
-            return None
-        from mtp_train.runtime.hardware import measure_matmul_gflops
-
-        return measure_matmul_gflops(self.model.dtype)
-
     def forward(self, ids: list[torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(H [T, d], aux [T, len(aux_layers), d] or None); None on a follower of a tensor-parallel group."""
         from mtp_train.runtime.attention import BatchInfo
@@ -531,7 +523,6 @@ def _compute(recipe, target, env: DistEnv, dist, layout, group, writer: DistEnv,
             else:
                 work.append((split, index, shard, lengths))
 
-    peak_gflops = target.peak_gflops() if work else None
     progress = _GlobalProgress(root, writer, total_tokens, done_tokens) if layout.is_leader else _NoProgress()
     started = time.perf_counter()
     computed_tokens = 0
@@ -580,7 +571,7 @@ def _compute(recipe, target, env: DistEnv, dist, layout, group, writer: DistEnv,
     if computed_tokens:
         log.info("rank %d: %d tokens in %.1f s (%.0f tokens/s)", env.rank, computed_tokens, elapsed,
                  computed_tokens / max(elapsed, 1e-9))
-    own = {"tokens": computed_tokens, "seconds": elapsed, "flops": computed_flops, "peak_gflops": peak_gflops}
+    own = {"tokens": computed_tokens, "seconds": elapsed, "flops": computed_flops}
     ranks = [own]
     if dist is not None:
         ranks = [None] * env.world_size
@@ -597,28 +588,22 @@ def _compute(recipe, target, env: DistEnv, dist, layout, group, writer: DistEnv,
 
 
 def _throughput(ranks: list[dict[str, Any]], dtype: str) -> dict[str, Any] | None:
-    """This run's speed over all ranks against the sum of the ranks' measured matmul peaks (None if nothing ran)."""
+    """This run's speed over all ranks: tokens/s and, where the target's FLOPs are counted, GFLOP/s (None if nothing
+    ran)."""
     tokens = sum(r["tokens"] for r in ranks)
     seconds = max(r["seconds"] for r in ranks)
     if not tokens or seconds <= 0:
         return None
     flops = sum(r["flops"] for r in ranks)
     gflops = flops / seconds / 1e9 if flops else None  # None: an engine whose work is not counted here (vLLM)
-    peaks = [r["peak_gflops"] for r in ranks]
-    peak = sum(peaks) if gflops is not None and all(p is not None for p in peaks) else None
     return {"compute_dtype": dtype, "tokens": tokens, "seconds": round(seconds, 2),
-            "tokens_per_s": round(tokens / seconds, 1), "gflops": None if gflops is None else round(gflops, 2),
-            "peak_gflops": None if peak is None else round(peak, 2),
-            "fraction_of_peak": None if peak is None else round(gflops / peak, 4)}
+            "tokens_per_s": round(tokens / seconds, 1), "gflops": None if gflops is None else round(gflops, 2)}
 
 
 def _describe_throughput(t: dict[str, Any]) -> str:
     line = f"{t['tokens']} tokens in {t['seconds']:.0f} s, {t['tokens_per_s']:.0f} tok/s"
     if t.get("gflops") is not None:
-        line += f", {t['gflops']:.1f} GFLOP/s"
-    if t.get("fraction_of_peak") is not None:
-        line += (f" = {t['fraction_of_peak']:.0%} of the ranks' measured {t['compute_dtype']} matmul peak "
-                 f"({t['peak_gflops']:.1f} GFLOP/s)")
+        line += f", {t['gflops']:.1f} GFLOP/s ({t['compute_dtype']})"
     return line
 
 

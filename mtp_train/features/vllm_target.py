@@ -97,11 +97,8 @@ class VllmTarget:
                 "tensor_parallel": self.capture.engine_args["tensor_parallel_size"],
                 "pipeline_parallel": self.capture.engine_args["pipeline_parallel_size"]}
 
-    def peak_gflops(self) -> None:
-        return None  # vLLM's kernels and devices: only tokens/s is reported
-
     def flops(self, lengths: list[int], argmax_rows: int) -> float:
-        return 0.0
+        return 0.0  # vLLM's kernels are not counted here: precompute reports tokens/s only
 
     def forward(self, ids: list[torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         states = self.capture.capture([t.tolist() for t in ids])  # each [T_i, layers, d]

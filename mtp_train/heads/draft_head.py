@@ -32,7 +32,7 @@ from mtp_train.runtime.attention import AttentionBackend, BatchInfo, TorchAttent
 from mtp_train.runtime.config import ModelConfig
 from mtp_train.runtime.frozen_parts import FrozenParts, frozen_parts_of
 from mtp_train.runtime.kv_cache import KVCache, PageAllocator
-from mtp_train.runtime.model import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding, run_decoder_layers
+from mtp_train.runtime.model import CausalLM, DecoderLayer, DecoderLayers, RMSNorm, RotaryEmbedding
 
 
 @dataclass
@@ -44,19 +44,6 @@ class _Borrowed:
     rotary: RotaryEmbedding  # the head's own tables; kept fp32 (a module would be cast by `head.to(bfloat16)`)
     draft_weight: torch.Tensor | None = None  # lm_head rows of the draft vocabulary (cached; rebuilt when stale)
     draft_weight_key: tuple = ()
-    decode_projection: object | None = None  # the runtime's decode-dtype copy of draft_weight (few-row logits)
-    decode_projection_key: tuple = ()
-    decode_input: object | None = None  # the runtime's one-call input projection of an MTP head (few-row, cached)
-    decode_forward: object | None = None  # the runtime's one-call forward + logits of an MTP head (few-row, cached)
-
-
-def _inference(fn, *args):
-    """`fn(*args)` under inference mode, as the head's cached forwards run (entering it only where it is not on: the
-    speculative loop already is, and each entry costs a few µs on a ~0.5 ms draft step)."""
-    if torch.is_inference_mode_enabled():
-        return fn(*args)
-    with torch.inference_mode():
-        return fn(*args)
 
 
 class DraftHead(nn.Module):
@@ -85,9 +72,9 @@ class DraftHead(nn.Module):
             from mtp_train.runtime.deepseek import DeepseekDecoderLayer
 
             moe = head_config.block_mlp == "moe"
-            self.layers = nn.ModuleList(DeepseekDecoderLayer(config, moe) for _ in range(head_config.num_layers))
+            self.layers = DecoderLayers(DeepseekDecoderLayer(config, moe) for _ in range(head_config.num_layers))
         else:
-            self.layers = nn.ModuleList(
+            self.layers = DecoderLayers(
                 DecoderLayer(config, use_input_norm=self.is_mtp or j > 0) for j in range(head_config.num_layers)
             )
         self.norm = RMSNorm(d, config.rms_norm_eps) if self.is_mtp else None
@@ -260,41 +247,27 @@ class DraftHead(nn.Module):
         weight = self.lm_head_weight
         if self.head_config.draft_vocab_size is None:
             return weight
-        key = self._draft_weight_key()
+        key = self.draft_weight_key()
         if self._borrowed.draft_weight_key != key:
             self._borrowed.draft_weight = weight.index_select(0, ids_from_d2t(self.d2t).to(weight.device))
             self._borrowed.draft_weight_key = key
         return self._borrowed.draft_weight
 
-    def _draft_weight_key(self) -> tuple:
+    def draft_weight_key(self) -> tuple:
+        """What `draft_weight` depends on (the lm_head's storage, and d2t's with a reduced vocabulary): a copy of
+        the projection made from it is current while this key is unchanged."""
         weight = self.lm_head_weight
         key = (weight.data_ptr(), weight.dtype, weight.device)
         if self.head_config.draft_vocab_size is None:
             return key
         return key + (self.d2t.data_ptr(), self.d2t._version)
 
-    def set_decode_projection(self, make) -> None:
-        """Serve `logits` calls of at most `projection.max_rows` rows (outside autograd) through
-        `projection = make(draft_weight)`, the runtime's decode-dtype copy of the output projection
-        (`runtime.cpu_decode.apply_decode_path` sets it). It is bypassed once the lm_head or the draft vocabulary
-        changes."""
-        self._borrowed.decode_projection = make(self.draft_weight)
-        self._borrowed.decode_projection_key = self._draft_weight_key()
-
-    def set_decode_input(self, decode_input) -> None:
-        """Serve an MTP head's input rows in its cached forwards (draft steps, catch-up) through
-        `decode_input(head, token_ids, hidden)` (`runtime.cpu_decode.DecodeMTPInput`: one kernel call), which
-        returns None for the inputs it does not take. No effect on other head kinds."""
-        if self.is_mtp:
-            self._borrowed.decode_input = decode_input
-
-    def set_decode_forward(self, decode_forward) -> None:
-        """Serve `forward_with_logits` calls through `decode_forward(head, token_ids, hidden, batch, kv_cache,
-        logits_rows)` (`runtime.cpu_decode.DecodeHeadForward`: the whole cached forward and the logits in one kernel
-        call), which returns None for the forwards it does not take. None: no fused path."""
-        self._borrowed.decode_forward = decode_forward
-
     # ---- forward ------------------------------------------------------------------------------------------------
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The head's rotary tables (its own, kept fp32)."""
+        return self._borrowed.rotary
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self._borrowed.rotary(positions, dtype)  # fp32 tables, moved to the positions' device on use
@@ -315,62 +288,21 @@ class DraftHead(nn.Module):
         return self._forward(token_ids, hidden, batch, None)
 
     def _forward(self, token_ids, hidden, batch: BatchInfo, kv_cache: KVCache | None) -> torch.Tensor:
-        dtype = self.dtype
-        decode_input = self._borrowed.decode_input
-        x = decode_input(self, token_ids, hidden) if decode_input is not None and kv_cache is not None else None
-        if x is None:
-            embeds = F.embedding(token_ids, self.embed_weight).to(dtype)  # [T, d]
-            hidden = hidden.to(dtype)  # [T, d]
-            if self.is_mtp:
-                x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))  # [T, d]
-            else:
-                x = self.fc(torch.cat((embeds, hidden), dim=-1))  # [T, d]
-        x, _ = run_decoder_layers(self.layers, x, self._borrowed.rotary, batch, kv_cache, self.backend)
+        return self.run_layers(self.input_rows(token_ids, hidden), batch, kv_cache)
+
+    def input_rows(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[T] token ids, [T, d] states -> the first layer's input [T, d]: mtp eh_proj(cat(enorm(embed(t)),
+        hnorm(h))), eagle1 fc(cat(embed(t), h))."""
+        embeds = F.embedding(token_ids, self.embed_weight).to(self.dtype)  # [T, d]
+        hidden = hidden.to(self.dtype)  # [T, d]
+        if self.is_mtp:
+            return self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+        return self.fc(torch.cat((embeds, hidden), dim=-1))
+
+    def run_layers(self, x: torch.Tensor, batch: BatchInfo, kv_cache: KVCache | None) -> torch.Tensor:
+        """The first layer's input [T, d] through the layers and the final norm (mtp) -> the head's output [T, d]."""
+        x, _ = self.layers(x, self._borrowed.rotary, batch, kv_cache, self.backend)
         return self.norm(x) if self.norm is not None else x
-
-    def forward_with_logits(
-        self,
-        token_ids: torch.Tensor,  # [T]
-        hidden: torch.Tensor,  # [T, d]
-        batch: BatchInfo,
-        kv_cache: KVCache,
-        logits_rows: torch.Tensor,  # [R] int64: the rows whose logits are wanted
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A cached forward (a draft step or a catch-up) and the logits of some of its rows: (the output [T, d] as
-        `forward` returns it, `logits(output[logits_rows])` [R, N] fp32, their argmax [R]). One kernel call on the
-        CPU decode path (`set_decode_forward`), bit-identical to the two calls it replaces."""
-        fused = self._borrowed.decode_forward
-        if fused is not None:
-            result = _inference(fused, self, token_ids, hidden, batch, kv_cache, logits_rows)
-            if result is not None:
-                return result
-        out = self(token_ids, hidden, batch, kv_cache)
-        logits = self.logits(out[logits_rows])
-        return out, logits, logits.argmax(-1)
-
-    @property
-    def chains_in_one_call(self) -> bool:
-        """Whether `greedy_chain` can run (the CPU decode path's one-call forward is set); it may still decline a
-        forward it does not take."""
-        return self._borrowed.decode_forward is not None
-
-    def greedy_chain(
-        self,
-        token_ids: torch.Tensor,  # [T]: a catch-up's rows
-        hidden: torch.Tensor,  # [T, d]
-        batch: BatchInfo,  # its page table covering num_drafts - 1 more positions (`reserve_ahead`)
-        kv_cache: KVCache,
-        num_drafts: int,
-        target_ids: torch.Tensor | None = None,  # [N] int64: draft id -> target id (`draft_ids`), None when full
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A catch-up forward and the greedy draft chain after it in one kernel call on the CPU decode path
-        (`set_decode_forward`): (each sequence's output at its last row [B, d], that row's logits [B, N], the drafts
-        [B, num_drafts] as target ids), the step-by-step chain's bit for bit. None where the head has no such path
-        or it does not serve this forward (the caller then steps)."""
-        fused = self._borrowed.decode_forward
-        if fused is None:
-            return None
-        return _inference(fused.chain, self, token_ids, hidden, batch, kv_cache, num_drafts, target_ids)
 
     def readout(self, out: torch.Tensor) -> torch.Tensor:
         """The states the output projection reads from the head's output `out` [n, d]: `out` itself here (the mtp
@@ -382,10 +314,5 @@ class DraftHead(nn.Module):
         the full one) of its `readout` through the target's frozen lm_head rows; map draft ids to target ids with
         `draft_ids`."""
         out_hidden = self.readout(out_hidden)
-        projection = self._borrowed.decode_projection
-        if (projection is not None and out_hidden.shape[0] <= projection.max_rows
-                and not (torch.is_grad_enabled() and out_hidden.requires_grad)
-                and self._borrowed.decode_projection_key == self._draft_weight_key()):
-            return projection(out_hidden).float()
         weight = self.draft_weight
         return F.linear(out_hidden.to(weight.dtype), weight).float()

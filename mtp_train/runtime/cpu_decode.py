@@ -1,15 +1,14 @@
-"""The decode path on CPU: few-row forwards (decode steps, verify of k + 1 tokens, head draft steps) through the
-`mtp_cpu` kernels, applied from outside the model definition.
+"""The CPU decode kernels' Python side: few-row forwards (decode steps, verify of k + 1 tokens, head draft steps)
+through the `mtp_cpu` kernels. `runtime/decode_runner.py` applies them to a model from outside its definition.
 
-A decode step on a CPU is memory-bound: each weight meets one to a few rows. Two things kept our decode step far from
-the memory limit (measured on an AVX2-only Zen 3): torch's small-row matmuls (MKL's fp32 GEMV streams ~9 GB/s, ATen's
-bf16 path reads the weights once per row group and costs 2.9× more at 4 rows than at 1), and ~50 small ops per decoder
-layer between them (~30 ms of a 60 ms step). Here each `DecoderLayer` gets a `DecoderLayerKernel`: its weights packed
-once in the decode dtype (q/k/v fused, gate/up interleaved) and seven kernel calls per layer — RMSNorm, the fused QKV
-projection, RoPE + cache write + paged attention in place, the output projection with the residual add, RMSNorm,
-gate/up with SiLU-and-multiply, the down projection with the residual add; and a model's whole list of layers runs
-those calls from C++ in one kernel call per forward (`DecodeStack`). Every other linear (lm_head, a head's input
-projection) reads a `SmallRowLinear`: its weight in the decode dtype, multiplied by the same kernel.
+A decode step on a CPU is memory-bound: each weight meets one to a few rows. torch's small-row matmuls stream the
+weights far below the memory limit, and a decoder layer makes ~50 small ops between them (figures in docs/tuning.md).
+Here each Llama-family decoder layer gets a `DecoderLayerKernel`: its weights packed once in the decode dtype (q/k/v
+fused, gate/up interleaved) and seven kernel calls per layer — RMSNorm, the fused QKV projection, RoPE + cache write +
+paged attention in place, the output projection with the residual add, RMSNorm, gate/up with SiLU-and-multiply, the
+down projection with the residual add; a model's whole list of layers runs those calls from C++ in one kernel call per
+forward (`DecodeStack`). Every other linear (lm_head, a head's input projection) reads a `SmallRowLinear`: its weight in
+the decode dtype, multiplied by the same kernel.
 
 The kernels compute each output row independently, in the same order whatever the row count, so verifying k + 1
 tokens gives bit-identical rows to k + 1 decode steps. Prefill (many rows) keeps the model's own path, except on a CPU
@@ -25,12 +24,12 @@ from torch import nn
 
 from mtp_train.runtime.attention import BatchInfo, TorchAttention
 from mtp_train.runtime.kernels import cpu_kernels
-from mtp_train.runtime.model import DecoderLayer, RMSNorm, apply_rotary
+from mtp_train.runtime.model import DecoderLayer, apply_rotary
 
 _TORCH_ATTENTION = TorchAttention()  # prefills, and tree masks the paged kernel cannot take (`_attend_torch`)
 KERNEL_MAX_ROWS = 16  # the kernels read the weights once per 8 rows; above 16 rows torch's GEMMs win (measured)
 EXACT_VERIFY_ROWS = 32  # bf16 decode weights on a native-bf16 CPU: the kernels serve up to this many rows, so that a
-# verify or a draft tree computes its rows as decode steps do (see precision.apply_decode_weights)
+# verify or a draft tree computes its rows as decode steps do (see decode_runner.apply_decode_weights)
 MAX_QUERY_PER_SEQUENCE = 16  # cached forwards whose sequences each bring at most this many tokens (decode, verify,
 # draft steps) attend over the pages in place, whatever the batch size; longer ones (a cached prefill) keep the model's
 # own attention
@@ -133,55 +132,19 @@ def _native_bf16() -> bool:
     return cpu_facts().native_bf16
 
 
-class DecodeLinear(nn.Linear):
-    """`nn.Linear` whose calls with at most `small.max_rows` rows (outside autograd) read `small`, the weight in the
-    decode dtype; bigger inputs read `many` (the fp32 weight prepacked, on the CPU) when set, else the module's own
-    weight. Set by `apply_decode_path`."""
-
-    small: SmallRowLinear
-    many: ManyRowLinear | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if torch.is_grad_enabled() and x.requires_grad:
-            return F.linear(x, self.weight, self.bias)
-        if rows > self.small.max_rows:
-            if self.many is not None and x.dtype == torch.float32:
-                return self.many(x.reshape(rows, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-            return F.linear(x, self.weight, self.bias)
-        return self.small(x)
-
-
-class DecodeRMSNorm(RMSNorm):
-    """`RMSNorm` whose fp32 calls of at most `max_rows` rows (outside autograd) run the kernel's `rms_norm` (one call
-    instead of eight small ops; rows computed independently, as the decoder layers' norms): the norms outside the
-    decoder layers, a target's final norm and a draft head's input and output norms, which run once per decode step
-    or draft step. Set by `apply_decode_path`."""
-
-    ops = None
-    max_rows = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= self.max_rows
-                and self.weight.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad)):
-            return self.ops.rms_norm(x.contiguous(), self.weight.detach(), self.eps)
-        return super().forward(x)
-
-
 class DecodeMTPInput:
     """An MTP head's input projection, eh_proj(cat(enorm(embed(t)), hnorm(h))), for at most `max_rows` rows of fp32
-    states in one kernel call (`mtp_input`) instead of five ops: the rows of `DecodeRMSNorm` and the input projection's
-    decode copy (`DecodeLinear.small`), bit for bit. A head's draft step is short (~1 ms on a Zen 4) and follows a
-    target forward that has pushed the interpreter's own data out of the caches, so each op it makes costs several
-    times its warm price. Set by `apply_decode_path` on an MTP head (`DraftHead.set_decode_input`)."""
+    states in one kernel call (`mtp_input`) instead of five ops: the rows of the kernel's RMSNorm and of the input
+    projection's decode copy `small`, bit for bit. A head's draft step is short and follows a target forward that has
+    pushed the interpreter's own data out of the caches, so each op it makes costs several times its warm price."""
 
-    def __init__(self, ops, max_rows: int):
-        self.ops, self.max_rows = ops, max_rows
+    def __init__(self, ops, small: SmallRowLinear):
+        self.ops, self.small, self.max_rows = ops, small, small.max_rows
 
     def __call__(self, head, token_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
         """[T] token ids, [T, d] states -> the input rows [T, d], or None where this does not serve them (not fp32,
         more than `max_rows` rows, a model off the CPU)."""
-        embed, small = head.embed_weight, head.eh_proj.small
+        embed, small = head.embed_weight, self.small
         if (hidden.dtype != torch.float32 or embed.dtype != torch.float32 or hidden.dim() != 2
                 or hidden.shape[0] > self.max_rows or head.enorm.weight.dtype != torch.float32
                 or not embed.is_contiguous() or small.ops is None):
@@ -371,10 +334,9 @@ class DecodeStack:
         self.windows = [kernel.window for kernel in kernels]
 
     @staticmethod
-    def build(layers) -> "DecodeStack | None":
-        """The stack for `layers` (a model's `DecoderLayer`s, in order), or None when one of them has no kernel,
-        any is tensor-parallel, or their attention shapes differ."""
-        kernels = [getattr(layer, "decode_kernel", None) for layer in layers]
+    def build(kernels: list[DecoderLayerKernel | None]) -> "DecodeStack | None":
+        """The stack of a model's layer kernels (in order), or None when a layer has no kernel, any is
+        tensor-parallel, or their attention shapes differ."""
         if not kernels or any(k is None or k.all_reduce is not None for k in kernels):
             return None
         shapes = {(k.num_heads, k.num_kv_heads, k.scale, k.max_rows) for k in kernels}
@@ -405,11 +367,11 @@ class DecodeHeadForward:
     rows (`DecodeMTPInput`), the layers (`DecodeStack`), the final norm and the output projection's decode copy of the
     rows asked for, with their argmax, bit for bit what those paths compute call by call. A head's draft step or
     catch-up right after a target forward otherwise spends about as long in the Python around its ~10 kernel calls as
-    in the kernels (see docs/tuning.md). Set by `apply_decode_path` on an MTP head whose pieces all run on the kernels
-    (`DraftHead.set_decode_forward`)."""
+    in the kernels (see docs/tuning.md)."""
 
-    def __init__(self, head, stack: DecodeStack, projection: "SmallRowLinear", projection_key: tuple):
-        small = head.eh_proj.small
+    def __init__(self, head, stack: DecodeStack, input_projection: SmallRowLinear, projection: SmallRowLinear,
+                 projection_key: tuple):
+        small = input_projection
         self.ops, self.max_rows = stack.ops, min(stack.max_rows, small.max_rows, projection.max_rows)
         self.stack, self.projection_key = stack, projection_key
         self.params: list[torch.Tensor | None] = [
@@ -418,31 +380,29 @@ class DecodeHeadForward:
         self.eps = [head.enorm.eps, head.hnorm.eps, head.norm.eps, *stack.eps]
 
     @staticmethod
-    def build(head, ops) -> "DecodeHeadForward | None":
-        """The fused forward of `head`, or None when a piece of it does not run on the kernels (not an MTP head,
-        layers without a `DecodeStack`, weights not fp32, the output projection or input projection not on the
-        kernels)."""
-        stack = getattr(head.layers, "decode_stack", None)
-        projection = head._borrowed.decode_projection
-        small = getattr(getattr(head, "eh_proj", None), "small", None)
-        if (ops is None or not head.is_mtp or stack is None or projection is None or projection.ops is None
-                or small is None or small.ops is None or projection.bias is not None
+    def build(head, stack: DecodeStack | None, input_projection: SmallRowLinear | None,
+              projection: SmallRowLinear | None, projection_key: tuple) -> "DecodeHeadForward | None":
+        """The fused forward of an MTP `head` whose layers run as `stack`, its input projection's decode copy
+        `input_projection` and its output projection's `projection` (made from the draft weight of `projection_key`),
+        or None when a piece does not run on the kernels (no stack, weights not fp32, a projection off the kernels)."""
+        if (stack is None or projection is None or projection.ops is None or input_projection is None
+                or input_projection.ops is None or projection.bias is not None
                 or head.embed_weight.dtype != torch.float32 or not head.embed_weight.is_contiguous()
                 or head.enorm.weight.dtype != torch.float32):
             return None
-        return DecodeHeadForward(head, stack, projection, head._borrowed.decode_projection_key)
+        return DecodeHeadForward(head, stack, input_projection, projection, projection_key)
 
     def serves(self, head, hidden: torch.Tensor, batch: BatchInfo) -> bool:
         """Whether the one-call path takes this forward: fp32 states of at most `max_rows` rows, few per sequence, no
         tree mask, and the lm_head and draft vocabulary unchanged since it was built."""
         return (hidden.dtype == torch.float32 and hidden.dim() == 2 and hidden.shape[0] <= self.max_rows
                 and batch.tree_masks is None and DecoderLayerKernel.few_per_sequence(batch)
-                and head._draft_weight_key() == self.projection_key)
+                and head.draft_weight_key() == self.projection_key)
 
     def _arguments(self, head, token_ids: torch.Tensor, hidden: torch.Tensor, batch: BatchInfo, kv_cache,
                    positions_ahead: int = 0) -> list:
         stack = self.stack
-        cos, sin = head._borrowed.rotary.cpu_tables(torch.float32, max(batch.kv_lens) + positions_ahead)
+        cos, sin = head.rotary.cpu_tables(torch.float32, max(batch.kv_lens) + positions_ahead)
         return [token_ids, hidden.contiguous(), self.params, self.eps, [k for k, _ in kv_cache.layers],
                 [v for _, v in kv_cache.layers], cos, sin, batch.slot_mapping, batch.positions, batch.qo_indptr,
                 batch.kv_page_indptr, batch.kv_page_indices, stack.num_heads, stack.num_kv_heads, stack.scale,
@@ -498,47 +458,3 @@ def tree_key_tables(batch: BatchInfo) -> tuple[torch.Tensor, torch.Tensor] | Non
     tables = (torch.tensor(starts, dtype=torch.long), keys)
     batch._plans["cpu_tree_keys"] = tables
     return tables
-
-
-def apply_decode_path(model: nn.Module, dtype: torch.dtype, max_rows: int) -> nn.Module:
-    """Give `model` (a frozen target or head) its decode path: every supported `DecoderLayer` a `DecoderLayerKernel`
-    (when the kernels are loaded, the weights fp32 and on the CPU), every other `RMSNorm` the kernel's norm
-    (`DecodeRMSNorm`) and every other `nn.Linear` a `SmallRowLinear` copy of its weight in `dtype`, for inputs of at
-    most `max_rows` rows. Parameter names and the state dict are unchanged;
-    tied weights share one copy."""
-    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    ops = cpu_kernels() if on_cpu else None
-    covered: set[int] = set()
-    if ops is not None:
-        for module in model.modules():
-            if isinstance(module, DecoderLayer) and module.self_attn.q_proj.weight.dtype == torch.float32 and \
-                    DecoderLayerKernel.supports(module):
-                module.decode_kernel = DecoderLayerKernel(module, dtype, max_rows, ops)
-                covered.update(id(m) for m in module.modules())
-        for module in model.modules():  # a model's (or head's) list of decoder layers: one kernel call per forward
-            if isinstance(module, nn.ModuleList) and module and all(isinstance(m, DecoderLayer) for m in module):
-                module.decode_stack = DecodeStack.build(module)
-    elif dtype == next(model.parameters()).dtype:
-        return model  # no kernels and no second weight copy: the model's own path is the decode path
-    if ops is not None:
-        for module in model.modules():
-            if type(module) is RMSNorm and id(module) not in covered:
-                module.__class__ = DecodeRMSNorm
-                module.ops, module.max_rows = ops, max_rows
-    if hasattr(model, "set_decode_projection"):  # a draft head: its output projection is not an nn.Linear
-        model.set_decode_projection(lambda weight: SmallRowLinear(weight, None, dtype, max_rows))
-    copies: dict[int, SmallRowLinear] = {}
-    for module in model.modules():
-        if type(module) is nn.Linear and id(module) not in covered:
-            key = id(module.weight)
-            if key not in copies:
-                copies[key] = SmallRowLinear(module.weight, module.bias, dtype, max_rows)
-            module.small = copies[key]
-            module.__class__ = DecodeLinear
-            if on_cpu and module.weight.dtype == torch.float32:
-                module.many = ManyRowLinear([module], dtype)
-    if ops is not None and hasattr(model, "set_decode_input"):  # an MTP head's input projection in one call
-        model.set_decode_input(DecodeMTPInput(ops, max_rows))
-    if hasattr(model, "set_decode_forward"):  # an MTP head's whole draft step in one call
-        model.set_decode_forward(DecodeHeadForward.build(model, ops))
-    return model

@@ -35,8 +35,8 @@ weights = the chosen sigmoid scores, renormalized when `norm_topk_prob`, times `
 are added to every token.
 
 The CPU decode kernels (`runtime/cpu_decode.py`) cover the Llama family's `DecoderLayer` only; `DeepseekDecoderLayer`
-is a different class, so `apply_decode_path` leaves its attention and MoE to this module (its plain linears still read
-the decode-dtype weight copies).
+is a different class, so the decode path (`runtime/decode_runner.py`) leaves its attention and MoE to this module (its
+linears still read the decode-dtype weight copies).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from torch import nn
 from mtp_train.runtime.attention import AttentionBackend, BatchInfo, TorchAttention
 from mtp_train.runtime.config import DeepseekOptions, ModelConfig
 from mtp_train.runtime.kv_cache import PageAllocator
-from mtp_train.runtime.model import _ACTIVATIONS, CausalLM, RMSNorm, apply_rotary
+from mtp_train.runtime.model import _ACTIVATIONS, CausalLM, DecoderLayers, RMSNorm, apply_rotary
 
 ABSORB_MAX_QUERY = 16  # cached forwards whose sequences each bring at most this many tokens attend in absorbed form
 _PLANNER = TorchAttention()  # slot and mask planning shared with the Llama path (cached on the BatchInfo)
@@ -322,7 +322,7 @@ class DeepseekBody(nn.Module):
         super().__init__()
         first_moe = _options(config).first_k_dense_replace
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, moe=i >= first_moe)
+        self.layers = DecoderLayers(DeepseekDecoderLayer(config, moe=i >= first_moe)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

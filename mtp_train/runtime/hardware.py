@@ -1,9 +1,10 @@
 """What the machine really has: CPU model and the flags that decide matmul speed, CUDA devices, and two measured
-ceilings (matmul GFLOP/s per dtype, memory read bandwidth) that every stage's speed is judged by.
+ceilings (matmul GFLOP/s per dtype, memory read bandwidth) that a stage's speed can be judged by.
 
 `CpuFacts` is read once per process from /proc/cpuinfo and torch, narrowed to another CPU kind where
 `MTP_TRAIN_CPU_AS` names one (`cpu_kinds.py`); `measure_*` time small kernels for a fraction of a
-second (`mtp-train env`, the dtype probe of `precision.py`, the fraction-of-peak figures of precompute and training).
+second (`mtp-train env`, the dtype probe of `precision.py`, the fraction-of-peak figures of
+scripts/bench_precompute.py and bench_train.py; the stages themselves run no probe).
 """
 
 from __future__ import annotations

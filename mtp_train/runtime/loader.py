@@ -12,7 +12,8 @@ from mtp_train.fileio import read_json_object
 from mtp_train.runtime.attention import get_backend
 from mtp_train.runtime.config import ModelConfig, load_config, require_runtime
 from mtp_train.runtime.model import CausalLM
-from mtp_train.runtime.precision import DECODE_ONLY_DTYPES, TORCH_DTYPES, Precision, apply_decode_weights
+from mtp_train.runtime.decode_runner import apply_decode_weights
+from mtp_train.runtime.precision import DECODE_ONLY_DTYPES, TORCH_DTYPES, Precision
 
 log = logging.getLogger(__name__)
 

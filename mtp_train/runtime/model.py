@@ -81,8 +81,7 @@ class RotaryEmbedding(nn.Module):
 
     def cpu_tables(self, dtype: torch.dtype, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The CPU tables [L, head_dim] of positions 0..L-1 (L ≥ `needed`, a power of two ≥ 256) in `dtype`, grown
-        on demand and kept: what `forward` reads rows of, and what the decode kernels take whole
-        (`run_decoder_layers`)."""
+        on demand and kept: what `forward` reads rows of, and what the CPU decode kernels take whole."""
         cached = self._cache.get(dtype)
         if cached is None or cached[0].shape[0] < needed:
             cached = self._cache[dtype] = self.tables(torch.arange(max(256, 1 << (needed - 1).bit_length())), dtype)
@@ -141,12 +140,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block. `use_input_norm=False` drops input_layernorm (the EAGLE-1 head's first layer).
-
-    `decode_kernel`, when set from outside (`runtime/cpu_decode.py`), computes the same block for forwards of a few
-    rows over a KV cache (decode, verify, draft steps) with fused CPU kernels; this module stays the definition."""
-
-    decode_kernel = None
+    """Pre-norm block. `use_input_norm=False` drops input_layernorm (the EAGLE-1 head's first layer)."""
 
     def __init__(self, config: ModelConfig, use_input_norm: bool = True):
         super().__init__()
@@ -156,35 +150,27 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, batch: BatchInfo, layer_cache, backend: AttentionBackend) -> torch.Tensor:
-        kernel = self.decode_kernel
-        if kernel is not None and layer_cache is not None and kernel.serves(batch):
-            return kernel(x, cos, sin, batch, layer_cache)
         attn_in = self.input_layernorm(x) if self.input_layernorm is not None else x
         x = x + self.self_attn(attn_in, cos, sin, batch, layer_cache, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def run_decoder_layers(layers: nn.ModuleList, x: torch.Tensor, rotary: RotaryEmbedding, batch: BatchInfo,
-                       kv_cache: KVCache | None, backend: AttentionBackend, aux_layers: tuple[int, ...] = ()
-                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """x through `layers` in order, at the rotary positions of `batch` -> (the last layer's output, {layer id: output}
-    for the ids in `aux_layers`).
+class DecoderLayers(nn.ModuleList):
+    """A model's decoder layers (`layers.{i}.*`), run in order by calling the list."""
 
-    `layers.decode_stack`, when set from outside (`runtime/cpu_decode.py`), runs the whole list in one kernel call
-    for the forwards it serves (few rows over a KV cache), with the rows the layers' own decode kernels compute; it
-    takes the rotary tables whole (every position is below the sequences' attended lengths)."""
-    stack = layers.__dict__.get("decode_stack")
-    if stack is not None and kv_cache is not None and stack.serves(x, batch):
-        cos, sin = rotary.cpu_tables(x.dtype, max(batch.kv_lens))
-        return stack(x, cos, sin, batch, kv_cache, tuple(j for j in aux_layers if j < len(layers)))
-    cos, sin = rotary(batch.positions, x.dtype)
-    aux_hidden: dict[int, torch.Tensor] = {}
-    for layer_id, layer in enumerate(layers):
-        layer_cache = kv_cache.layers[layer_id] if kv_cache is not None else None
-        x = layer(x, cos, sin, batch, layer_cache, backend)
-        if layer_id in aux_layers:
-            aux_hidden[layer_id] = x
-    return x, aux_hidden
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: BatchInfo, kv_cache: KVCache | None,
+                backend: AttentionBackend, aux_layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """x [T, hidden] through the layers at the rotary positions of `batch` -> (the last layer's output, {layer id:
+        output} for the ids in `aux_layers`)."""
+        cos, sin = rotary(batch.positions, x.dtype)
+        aux_hidden: dict[int, torch.Tensor] = {}
+        for layer_id, layer in enumerate(self):
+            layer_cache = kv_cache.layers[layer_id] if kv_cache is not None else None
+            x = layer(x, cos, sin, batch, layer_cache, backend)
+            if layer_id in aux_layers:
+                aux_hidden[layer_id] = x
+        return x, aux_hidden
 
 
 @dataclass
@@ -200,7 +186,7 @@ class TransformerBody(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = DecoderLayers(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -278,7 +264,7 @@ class CausalLM(nn.Module):
         aux_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        x, aux_hidden = run_decoder_layers(self.model.layers, x, self.rotary, batch, kv_cache, self.backend, aux_layers)
+        x, aux_hidden = self.model.layers(x, self.rotary, batch, kv_cache, self.backend, aux_layers)
         hidden = self.model.norm(x)
         logits = None
         if compute_logits:

@@ -6,7 +6,7 @@ Two phases meet the weights differently:
   also the dtype the weights are held in.
 - **decode** (decode steps, verify of k + 1 tokens, head draft steps): a few rows per weight, memory-bound. Matmuls with
   at most `decode_max_rows` rows read a second copy of the weights in `decode_dtype` (half the bytes in bf16), when
-  that differs from `dtype` (`apply_decode_weights`).
+  that differs from `dtype` (`decode_runner.apply_decode_weights`).
 
 `auto` resolves as follows (the reason is kept in `Precision.reason` and printed by every stage):
 - CUDA: bf16 where the GPU supports it, else fp32.
@@ -40,7 +40,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from mtp_train.errors import UserError
 from mtp_train.runtime.hardware import CpuFacts, best_seconds, cpu_facts, measure_matmul_gflops
@@ -372,65 +371,3 @@ def _with_decode(dtype: str, decode_dtype: str, reason: str) -> Precision:
     if decode_dtype == "auto" or decode_dtype == dtype:
         return Precision(dtype, dtype, 0, reason)
     return Precision(dtype, decode_dtype, _explicit_rows(dtype, decode_dtype), reason + "; decode dtype as set")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# applying the decode weights (from outside the model definition)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def apply_decode_weights(model: nn.Module, precision: Precision) -> nn.Module:
-    """Give `model` (a frozen target or head) its decode path (`runtime/cpu_decode.py`): forwards of at most
-    `precision.decode_max_rows` rows read weights in `precision.decode_dtype`, through the CPU decode kernels where
-    they are loaded. Without a separate decode dtype the kernels still serve up to `KERNEL_MAX_ROWS` rows on the CPU
-    (fused layers, fp32 weights). Parameter names and the state dict are unchanged."""
-    from mtp_train.runtime.cpu_decode import EXACT_VERIFY_ROWS, KERNEL_MAX_ROWS, _native_bf16, apply_decode_path
-
-    if precision.split:
-        rows = precision.decode_max_rows
-        if precision.decode_dtype in DECODE_ONLY_DTYPES or (precision.decode_dtype == "bfloat16" and _native_bf16()):
-            # Above `rows` this CPU runs bf16 GEMMs (`ManyRowLinear`), whose rounding differs from the kernels': a
-            # verify or a draft tree of more rows than a decode step would then see other logits than the decode
-            # steps it replaces, and greedy speculative output would part from plain greedy at near-ties (with the
-            # torch tree attention, since replaced by the kernel's, trees of 9-25 rows matched plain decoding on 4-10
-            # of 10 held-out prompts, logit gaps <= 0.13). The kernels keep serving up to EXACT_VERIFY_ROWS rows (a
-            # verify of k + 1 tokens for up to 8 sequences, a tree of up to 31 nodes); a plain decode batch of 17-32
-            # sequences reads them too, and is not slower for it (Zen 4, batch 32: 586 decode tok/s on the bf16
-            # dot-product kernels against 469 on the bf16 GEMMs, scripts/bench_decode.py).
-            # int8 decode weights likewise: above `rows` the fp32 GEMMs would round differently from them.
-            rows = max(rows, EXACT_VERIFY_ROWS)
-        return apply_decode_path(model, precision.decode_torch_dtype, rows)
-    return apply_decode_path(model, precision.torch_dtype, KERNEL_MAX_ROWS)
-
-
-HEAD_DECODE_DTYPES = ("auto", "target", "int8")
-
-
-def apply_head_decode_weights(head: nn.Module, precision: Precision, head_decode_dtype: str = "auto") -> str:
-    """Give a draft head its decode path and return the name of the weights its draft steps read.
-
-    `target`: the target's decode weights (`apply_decode_weights`). `int8`: weight-only int8 with one scale per
-    output row (`cpu_decode.quantize_rows`) through the CPU decode kernels: a head step streams its layer, input
-    projection and output projection in half the bytes of bf16, and the head's steps run k times per speculative step
-    while the target's verify stays exact, so the output distribution is unchanged (greedy output identical) and only
-    the acceptance could move (measured on the demo head, AMD EPYC Zen 4: τ within 0.01 of bf16 at k = 1..3,
-    docs/tuning.md). Refused where the kernels do not serve the head (no kernels, CUDA, a bf16/fp16 model). `auto`:
-    int8 where the kernels serve the head, else `target`."""
-    from mtp_train.runtime.cpu_decode import KERNEL_MAX_ROWS, apply_decode_path
-    from mtp_train.runtime.kernels import cpu_kernels, unavailable_reason
-
-    if head_decode_dtype not in HEAD_DECODE_DTYPES:
-        raise UserError(f"eval.head_decode_dtype: {head_decode_dtype!r}; expected one of "
-                        f"{', '.join(HEAD_DECODE_DTYPES)}")
-    weight = next(head.parameters())
-    kernels_serve = weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels() is not None
-    if head_decode_dtype == "int8" and not kernels_serve:
-        why = (f"the CPU decode kernels are unavailable ({unavailable_reason()})" if cpu_kernels() is None
-               else f"the head's weights are {weight.dtype} on {weight.device.type} (the kernels serve fp32 models on "
-               "the CPU)")
-        raise UserError(f"eval.head_decode_dtype: int8 runs through the CPU decode kernels, and {why}; use target")
-    if head_decode_dtype == "target" or not kernels_serve:
-        apply_decode_weights(head, precision)
-        return precision.decode_dtype if precision.split else precision.dtype
-    apply_decode_path(head, torch.int8, max(precision.decode_max_rows, KERNEL_MAX_ROWS))
-    return "int8"

@@ -137,9 +137,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def _skip_deepspeed_shm_build() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (`deepspeed_shm_comm`) when it initializes
     the process group. Only DeepSpeed-Inference's `inference_all_reduce` uses it; training reduces through
-    torch.distributed (gloo). The build costs about a minute of the 2 cores in every fresh environment (CI, a fresh
-    clone's `make demo`), so the trainer tells DeepSpeed the op is unavailable, which is DeepSpeed's own fallback when
-    the op cannot be built."""
+    torch.distributed (gloo). The build runs in every fresh environment (CI, a fresh clone's `make demo`; its cost in
+    docs/tuning.md), so the trainer tells DeepSpeed the op is unavailable, which is DeepSpeed's own fallback when the
+    op cannot be built."""
     import importlib
 
     # import_module, not `import deepspeed.comm.torch as ...`: the package's `torch` attribute is the torch library.
@@ -548,19 +548,6 @@ def save_head_files(run: TrainingRun) -> Path:
     return head_dir
 
 
-def _measure_peak_gflops(run: TrainingRun) -> float | None:
-    """The ranks' matmul ceiling on CPU, measured together (as they train) and summed over ranks."""
-    if run.device.type != "cpu":
-        return None
-    import torch.distributed as dist
-
-    from mtp_train.runtime.hardware import measure_matmul_gflops
-
-    peak = torch.tensor([measure_matmul_gflops(run.precision.torch_dtype)], dtype=torch.float64)
-    dist.all_reduce(peak)
-    return float(peak.item())
-
-
 def run_training(recipe, resume: str = "auto", force: bool = False, show_progress: bool = True) -> Path:
     """Train the head of `recipe`. resume: "auto" (continue from the run dir's latest checkpoint if any), "never",
     or a checkpoint directory. Returns the run dir. Collective under torchrun; rank 0 holds the run dir's lock
@@ -590,7 +577,6 @@ def _train(recipe, resume: str, force: bool, show_progress: bool) -> Path:
     tracker = Tracker(run.run_dir, run.recipe, enabled=run.is_main, resume=resumed)
     progress = tqdm(total=run.total_steps, initial=start_step, desc="train", unit="step",
                     disable=not (run.is_main and show_progress), dynamic_ncols=True)
-    peak_gflops = _measure_peak_gflops(run)
     started = time.perf_counter()
     tokens_seen, flops_seen = 0, 0.0  # this rank's, this session
     run_tokens = run.tokens_before  # all ranks', the whole run (rank 0 knows the count before this session)
@@ -641,12 +627,12 @@ def _train(recipe, resume: str, force: bool, show_progress: bool) -> Path:
     dist.all_reduce(total_flops)
     gflops = float(total_flops.item()) / max(train_seconds, 1e-9) / 1e9
     if run.is_main:
-        speed = {"gflops": round(gflops, 2), "peak_gflops": None if peak_gflops is None else round(peak_gflops, 2),
-                 "fraction_of_peak": None if peak_gflops is None else round(gflops / peak_gflops, 4)}
         vocab_size = run.target.config.vocab_size
         # steps and tokens count the whole run (resumed sessions included); the times and speeds this session's.
         summary = {"steps": step, "tokens": run_tokens, "resumed_at_step": start_step,
-                   "session_tokens": run_tokens - run.tokens_before, "train_seconds": train_seconds, **speed,
+                   "session_tokens": run_tokens - run.tokens_before, "train_seconds": train_seconds,
+                   "tokens_per_s": round((run_tokens - run.tokens_before) / max(train_seconds, 1e-9), 1),
+                   "gflops": round(gflops, 2),
                    "time_split_rank0": {k: round(v, 1) for k, v in time_split.items()},
                    "world_size": run.world_size, "head_dir": str(head_dir), "target_fingerprint": run.fingerprint,
                    "compute_dtype": run.precision.dtype, "precision_reason": run.precision.reason,
@@ -657,10 +643,9 @@ def _train(recipe, resume: str, force: bool, show_progress: bool) -> Path:
         print(f"train: {step} steps; head saved to {head_dir}; held-out step-1 top-1 "
               f"{last_validation.get('step1/top1', float('nan')):.4f}")
         if step > start_step:
-            fraction = (f" = {speed['fraction_of_peak']:.0%} of the ranks' measured {run.precision.dtype} matmul peak "
-                        f"({peak_gflops:.1f} GFLOP/s)" if peak_gflops else "")
-            print(f"train: {(step - start_step)} steps in {train_seconds:.0f} s, {gflops:.1f} GFLOP/s in the head's "
-                  f"matmuls{fraction}")
+            print(f"train: {(step - start_step)} steps in {train_seconds:.0f} s, "
+                  f"{(run_tokens - run.tokens_before) / max(train_seconds, 1e-9):.0f} tokens/s, {gflops:.1f} GFLOP/s "
+                  f"in the head's matmuls ({run.precision.dtype})")
             print("train: rank 0's time: " + ", ".join(f"{k} {v:.0f} s" for k, v in time_split.items()))
     dist.barrier()
     return run.run_dir

@@ -11,10 +11,10 @@ verify, the head's cache is cut back to where the draft chain started and those 
 verify's (exact) hidden states, in the same forward that yields the next d_1.
 
 `catch_up` only records those rows; `propose` runs them, then drafts with the shared draft loop
-(`Proposer.propose`). Greedy, where the head has it (the CPU decode path), the catch-up and the k - 1 draft steps are
-one call instead (`DraftHead.greedy_chain`): after a target forward has emptied the caches, the Python between a
-head's kernel calls costs about as much as the kernels (docs/tuning.md). Each head forward is one call
-(`DraftHead.forward_with_logits`), or the head's `forward` and `logits` for a head without it.
+(`Proposer.propose`). The head runs through a `decode_runner.HeadRunner` (a bare head gets a plain one): each head
+forward and its logits is one call (`forward_with_logits`), and greedy, where the CPU decode path has it, the catch-up
+and the k - 1 draft steps are one call (`greedy_chain`): after a target forward has emptied the caches, the Python
+between a head's kernel calls costs about as much as the kernels (docs/tuning.md).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.runtime.attention import BatchInfo
+from mtp_train.runtime.decode_runner import HeadRunner
 from mtp_train.runtime.spec.proposer import DraftProposal, DraftState, Proposer, Request, rewind
 
 
@@ -50,11 +51,11 @@ class MTPChainProposer(Proposer):
 
     schedule = "mtp_chain"
     state_class = MTPChainState
-    draft_description = "a draft head with forward/logits/new_kv_cache (MTP chain)"
+    draft_description = "a draft head (forward, logits, new_kv_cache) or its HeadRunner (MTP chain)"
 
     @classmethod
     def accepts(cls, draft) -> bool:
-        return all(callable(getattr(draft, name, None)) for name in ("forward", "logits", "new_kv_cache"))
+        return callable(draft) and all(callable(getattr(draft, name, None)) for name in ("logits", "new_kv_cache"))
 
     def __init__(self, target, head, allocator):
         head_config = getattr(head, "config", None)
@@ -63,8 +64,7 @@ class MTPChainProposer(Proposer):
             if head_value is not None and head_value != target_value:
                 raise UserError(f"the draft head's {key}={head_value} differs from the target's {key}={target_value}")
         super().__init__(target, allocator, head.new_kv_cache(allocator))
-        self.head = head
-        self.forward_with_logits = getattr(head, "forward_with_logits", None)
+        self.head = head if isinstance(head, HeadRunner) else HeadRunner(head)
         self.aux_layers = tuple(getattr(head, "aux_layers", ()))  # an EAGLE-3 head reads these target layers
         draft_ids = getattr(head, "draft_ids", None)
         if draft_ids is not None:  # a reduced draft vocabulary
@@ -137,11 +137,11 @@ class MTPChainProposer(Proposer):
         return super().propose(requests, num_drafts, sampling, generator)
 
     def _greedy_chain(self, requests: list[Request], num_drafts: list[int]) -> list[DraftProposal] | None:
-        """The pending catch-up and the whole greedy chain in one call (`DraftHead.greedy_chain`), when every request
+        """The pending catch-up and the whole greedy chain in one call (`HeadRunner.greedy_chain`), when every request
         has its catch-up pending and drafts the same number of tokens; None otherwise (or where the head has no such
         path), nothing done."""
         count = num_drafts[0] if num_drafts else 0
-        if (not getattr(self.head, "chains_in_one_call", False) or count < 1 or any(n != count for n in num_drafts)
+        if (not self.head.chains_in_one_call or count < 1 or any(n != count for n in num_drafts)
                 or not all(r.draft.pending for r in requests)):
             return None
         token_ids, hidden, row_counts = self._catch_up_rows(requests)
@@ -164,10 +164,7 @@ class MTPChainProposer(Proposer):
 
     def _forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, batch: BatchInfo,
                  logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over rows (hidden, token) [T]: (its output [T, d], the logits of `logits_rows` [R, vocab]), in one
-        call where the head has one (`DraftHead.forward_with_logits`: one kernel call on the CPU decode path)."""
-        if self.forward_with_logits is not None:
-            out, logits, _ = self.forward_with_logits(token_ids, hidden, batch, self.kv_cache, logits_rows)
-            return out, logits
-        out = self.head(token_ids, hidden, batch, self.kv_cache)  # [T, d]
-        return out, self.head.logits(out[logits_rows])
+        """The head over rows (hidden, token) [T]: (its output [T, d], the logits of `logits_rows` [R, vocab]), one
+        kernel call where the CPU decode path has it (`HeadRunner.forward_with_logits`)."""
+        out, logits, _ = self.head.forward_with_logits(token_ids, hidden, batch, self.kv_cache, logits_rows)
+        return out, logits

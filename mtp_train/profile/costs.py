@@ -1,7 +1,8 @@
 """Per-step costs of speculative decoding, as `eval` and the bench scripts measure them: one target forward of n tokens
 (n = 1 is a decode step, n = k + 1 a verify) and one draft step of a head (its layer over its KV cache plus the
 vocabulary projection), of a draft model (one decode step) or of prompt lookup (one n-gram search), each after a
-prefill of the same prompt, at batch 1. Times are the best of 3 rounds: the machine is shared.
+prefill of the same prompt, at batch 1. Times are the best of 3 rounds: the machine is shared. `eval` measures them
+only when asked (`eval.cost_curve`); docs/tuning.md has what they measured and where they missed.
 
 `CostCurve` holds them relative to one decode step, and predicts the speedup of k speculative tokens from the
 acceptance measured at that k: τ(k) / (verify(k+1)/decode + drafting(k)/decode) (τ: tokens per target forward;
@@ -17,16 +18,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtp_train.runtime.attention import BatchInfo
+from mtp_train.runtime.attention import BatchInfo, ancestor_mask
+from mtp_train.runtime.decode_runner import HeadRunner
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.model import CausalLM
 from mtp_train.runtime.sampler import SamplingParams
+from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
 from mtp_train.runtime.spec.prompt_lookup import (
     PromptLookup,
     PromptLookupProposer,
     PromptLookupState,
 )
 from mtp_train.runtime.spec.proposer import Request
+from mtp_train.runtime.spec.tree import representative_tree
 
 
 def _pages(prompt_ids: list[int], extra_tokens: int, page_size: int = 16) -> int:
@@ -54,8 +58,8 @@ def interleaved_best_seconds(fns: dict, repeats: int, rounds: int = 3, between=N
 def interleaved_round_seconds(fns: dict, repeats: int, rounds: int = 3, between=None) -> dict:
     """{key: [seconds per call of fns[key] in each round]}: 3 warm-up calls each, then `rounds` rounds in which every
     fn runs `repeats` timed calls in turn. Contenders alternate, so a slow spell of a shared machine (its step times
-    drift by ±20% within seconds, its memory's read rate between ~35 and ~65 GB/s) falls on all of them, and the
-    ratios between them within a round hold."""
+    and its memory's read rate move within seconds: docs/tuning.md) falls on all of them, and the ratios between them
+    within a round hold."""
     for fn in fns.values():
         for _ in range(3):
             fn()
@@ -108,8 +112,8 @@ def target_step_rounds(target, prompt_ids: list[int], n_tokens: list[int], repea
 def head_step_seconds(target, head, prompt_ids: list[int], repeats: int = 50) -> float:
     """Seconds of one draft step of `head` (one token, vocabulary projection and argmax included), each after a target
     decode step, as in speculative decoding: the head's weights come from memory, not from a cache that repeated
-    head steps keep warm (on a Zen 4 with SmolLM2 a head step measured back to back cost 0.05 decode steps, after a
-    target forward 0.1)."""
+    head steps keep warm (timed back to back, a head step reads about half its cost in the loop: docs/tuning.md)."""
+    head = head if isinstance(head, HeadRunner) else HeadRunner(head)  # as the proposers draft through it
     allocator = PageAllocator(2 * _pages(prompt_ids, 1), 16)
     cache, head_cache = target.new_kv_cache(allocator), head.new_kv_cache(allocator)
     seq, head_seq = Sequence(0), Sequence(1)
@@ -119,14 +123,10 @@ def head_step_seconds(target, head, prompt_ids: list[int], repeats: int = 50) ->
     head(torch.tensor(prompt_ids[1:]), out.hidden[:-1], BatchInfo.for_sequences([head_seq], [n], allocator), head_cache)
     last_hidden, token = out.hidden[-1:], torch.tensor(prompt_ids[-1:])
     first_row = torch.zeros(1, dtype=torch.long, device=target.device)
-    forward_with_logits = getattr(head, "forward_with_logits", None)  # a DraftHead: one kernel call on the CPU
 
     def step() -> None:
         batch = BatchInfo.for_sequences([head_seq], [1], allocator, advance=False)
-        if forward_with_logits is not None:
-            forward_with_logits(token, last_hidden, batch, head_cache, first_row)
-        else:
-            head.logits(head(token, last_hidden, batch, head_cache)).argmax(-1)
+        head.forward_with_logits(token, last_hidden, batch, head_cache, first_row)  # one kernel call where fused
         _synchronize(target.device)
 
     def target_step() -> None:
@@ -154,8 +154,6 @@ def head_chain_seconds(target, head, prompt_ids: list[int], k: int, repeats: int
     """Seconds of a head's drafting in one greedy speculative step of k drafts, as the loop runs it (the MTP chain
     proposer's `catch_up` of one row and `propose`: one kernel call on the CPU decode path), each after an untimed
     target decode step."""
-    from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
-
     allocator = PageAllocator(2 * _pages(prompt_ids, k + 1), 16)
     proposer = MTPChainProposer(target, head, allocator)
     cache, pages = target.new_kv_cache(allocator), []
@@ -299,9 +297,6 @@ def measure_tree_costs(target, prompt_ids: list[int], shapes: list, decode_s: fl
                        ) -> dict[str, TreeCost]:
     """{shape label: TreeCost} for each `TreeShape` (its representative tree, `tree.representative_tree`), after
     `prompt_ids`, relative to `decode_s` (one decode step measured on the same target)."""
-    from mtp_train.runtime.attention import ancestor_mask
-    from mtp_train.runtime.spec.tree import representative_tree
-
     nodes = max(shape.nodes for shape in shapes) + 1
     allocator = PageAllocator(_pages(prompt_ids, nodes), 16)
     cache, seq = target.new_kv_cache(allocator), Sequence(0)
