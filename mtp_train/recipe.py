@@ -216,6 +216,7 @@ class PrecomputeSection(_Section):
     aux_layers: list[int] = Field(
         default_factory=list, description="decoder layers (0-based outputs) also stored, for EAGLE-3 heads"
     )
+
     @field_validator("aux_layers")
     @classmethod
     def _aux_layers_are_non_negative(cls, layers: list[int]) -> list[int]:
