@@ -2,7 +2,7 @@
 CPU takes, so one machine can test (and time) the paths of the others.
 
 These machines come as AVX2-only x86 (AMD EPYC Zen 3), AVX-512 with avx512_bf16 (Zen 4) and AVX-512 with AMX (Intel
-Xeon). What the code does on each keys on the CPU's flags (`hardware.CpuFacts`): what `target.dtype: auto` picks,
+Xeon). What the code does on each keys on the CPU's flags (`hardware.CpuFacts`): what `precision.compute: auto` picks,
 which build of the decode kernels loads, whether the GEMMs above the decode rows run in bf16. A kind narrows the
 flags the code sees and caps the instructions torch's own kernels (`ATEN_CPU_CAPABILITY`), oneDNN
 (`ONEDNN_MAX_CPU_ISA`) and MKL (`MKL_ENABLE_INSTRUCTIONS`) use; those three are read when torch loads, so this module

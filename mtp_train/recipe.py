@@ -11,15 +11,15 @@ Output locations left null are derived from the recipe's `name` (`data/prepared/
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import hashlib
 import json
 import os
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -51,25 +51,6 @@ class TargetSection(_Section):
     path: str = Field(
         "data/models/smollm2-135m-instruct", description="HF model directory (config + weights + tokenizer)"
     )
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto",
-        description="compute dtype of prefill, precompute and training (the weights' dtype); auto = the fastest the "
-        "device really has (runtime/precision.py: bf16 on CUDA and on CPUs with native bf16, else fp32)",
-    )
-    decode_dtype: Literal["auto", "bfloat16", "float16", "float32", "int8"] = Field(
-        "auto",
-        description="weights of the few-row matmuls of decode, verify and draft steps; auto = `dtype` when that is "
-        "set, else timed on this machine (bf16 weights where they are faster: half the bytes to stream); int8 = "
-        "weight-only int8 with a scale per row through the CPU decode kernels (an fp32 model; a quantized serving "
-        "target: its logits differ from bf16's by quantization, docs/tuning.md)",
-    )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto",
-        description="dtype of the target's paged K/V cache in decode, verify and generation; auto = bfloat16 when "
-        "the decode weights are bf16 or int8 (or the model is bf16), else the compute dtype. A bf16 cache halves the "
-        "bytes each step reads at long context; decode and verify both read it, so greedy speculative output stays "
-        "identical to plain greedy (docs/tuning.md)",
-    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensor_parallel: int = Field(
         1, ge=1, le=64,
@@ -77,6 +58,60 @@ class TargetSection(_Section):
         "tensor_parallel.py) in precompute and eval; under torchrun the world size must be a multiple of it: W/N "
         "data-parallel groups of N ranks each (`--tp N` sets it)",
     )
+
+
+class PrecisionSection(_Section):
+    """Every dtype of the pipeline in one place: what the target computes in, what decode reads, what the K/V cache
+    holds, what the feature cache stores, what a head's draft steps read. `auto` is resolved by each stage once, for
+    the machine it runs on (runtime/precision.py), printed once on its first line, and written resolved into the
+    stage's recipe.resolved.yaml."""
+
+    compute: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", json_schema_extra={"flag": "--dtype"},
+        description="dtype the target's weights are held in and its many-row matmuls run in (prefill, precompute, "
+        "training); auto = bf16 on CUDA with bf16 and on CPUs with native bf16 matmul, else fp32 (the bf16 GEMMs "
+        "of other CPUs fall back to slow kernels; `mtp-train env` shows the choice and why)",
+    )
+    decode: Literal["auto", "bfloat16", "float16", "float32", "int8"] = Field(
+        "auto", json_schema_extra={"flag": "--decode-dtype"},
+        description="weights of the few-row matmuls of decode, verify and draft steps, which stream every weight "
+        "once per step and so are bound by memory, not compute: auto = `compute` when that is set, else timed on "
+        "this machine (bf16 copies where they are faster: half the bytes); int8 = weight-only int8 with a scale per "
+        "row through the CPU decode kernels (an fp32 model: a quantized serving target whose logits differ from "
+        "bf16's by the quantization)",
+    )
+    kv_cache: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", json_schema_extra={"flag": "--kv-cache-dtype"},
+        description="the target's paged K/V cache in decode, verify and generation, and the dtype precompute rounds "
+        "keys and values to before attention, so that the stored states are those of the target as it is served "
+        "(one key: features over another cache than the served one would train the head on other states); auto = "
+        "bf16 where decode reads bf16 or int8 weights or the model is bf16, else the compute dtype. Decode and "
+        "verify read the same cache, so greedy speculative output stays identical to plain greedy. With "
+        "precompute.backend vllm the features attend over vLLM's cache (precompute.vllm.kv_cache_dtype), and this "
+        "key must stay auto for precompute",
+    )
+    features: Literal["bfloat16", "float16", "float8_e4m3"] = Field(
+        "bfloat16", json_schema_extra={"flag": "--features-dtype"},
+        description="dtype the feature cache stores the target's hidden states in (float8_e4m3 with a scale per "
+        "row: half of bf16's bytes on disk and in the readers, at the cost of rounding the states training sees)",
+    )
+    head_decode: Literal["auto", "target", "int8"] = Field(
+        "auto", json_schema_extra={"flag": "--head-decode-dtype"},
+        description="weights a head's draft steps read: target = the target's decode weights; int8 = weight-only, "
+        "a scale per row, through the CPU decode kernels (half of bf16's bytes; the target's verify keeps the "
+        "output exact, only the acceptance can move); auto = int8 where the CPU kernels serve the head, else target",
+    )
+
+
+# Keys that moved into `precision`: named in the error a recipe or `--set` that still uses them gets.
+MOVED_KEYS = {
+    "target.dtype": "precision.compute",
+    "target.decode_dtype": "precision.decode",
+    "target.kv_cache_dtype": "precision.kv_cache",
+    "precompute.kv_dtype": "precision.kv_cache",
+    "precompute.storage_dtype": "precision.features",
+    "eval.head_decode_dtype": "precision.head_decode",
+}
 
 
 class DataSource(_Section):
@@ -113,7 +148,8 @@ class SystemPromptSection(_Section):
 class RegenerateSection(_Section):
     """Self-distillation: replace assistant turns by the target's own replies before tokenizing."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="replace assistant turns by the target's own replies "
+                          "(self-distillation)")
     max_new_tokens: int = Field(512, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
     batch_size: int = Field(8, ge=1, description="conversations generated together")
@@ -171,7 +207,6 @@ class PrecomputeSection(_Section):
         "ranks, target.tensor_parallel); vllm = vLLM (any family vLLM serves, its parallelism: precompute.vllm), the "
         "engine and numerics the head is served with")
     vllm: VllmEngineSection = Field(default_factory=VllmEngineSection)
-    storage_dtype: Literal["bfloat16", "float16", "float8_e4m3"] = "bfloat16"
     tokens_per_batch: int = Field(8192, ge=1, description="tokens per target forward")
     samples_per_shard: int = Field(512, ge=1)
     target_argmax: bool = Field(
@@ -180,12 +215,6 @@ class PrecomputeSection(_Section):
     )
     aux_layers: list[int] = Field(
         default_factory=list, description="decoder layers (0-based outputs) also stored, for EAGLE-3 heads"
-    )
-    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="the dtype the target's keys and values are rounded to before they are attended, as the "
-        "paged K/V cache of decode holds them, so that the stored hidden states are those the served target computes; "
-        "auto = the K/V cache dtype eval resolves (target.kv_cache_dtype: bf16 where decode reads bf16 or int8 "
-        "weights, e.g. an fp32 precompute on an AVX2-only CPU)"
     )
 
     @field_validator("aux_layers")
@@ -275,6 +304,9 @@ class TrainSection(_Section):
 
 
 MAX_EVAL_BATCH = 256
+# The speculative engine's limit (runtime.spec.engine.MAX_SPECULATIVE_TOKENS; not imported, so that reading a recipe
+# stays torch-free: tests/test_recipe.py pins the two equal).
+MAX_SPECULATIVE_TOKENS = 8
 
 
 class EvalSection(_Section):
@@ -286,36 +318,25 @@ class EvalSection(_Section):
         "lookup, cost curve), vllm (the head exported in the format vLLM loads and served by vLLM: τ, acceptance, "
         "speedup over vLLM's plain decoding; first turns; interpreter from precompute.vllm.python), or both")
     limit: int | None = Field(32, ge=1, description="prompts evaluated (null = all)")
-    num_speculative_tokens: list[int] = Field(default_factory=lambda: [1, 2, 3], min_length=1)
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
-    head_decode_dtype: Literal["auto", "target", "int8"] = Field(
-        "auto",
-        description="weights a head's draft steps read: target (the target's decode weights) | int8 (weight-only, "
-        "a scale per row, through the CPU decode kernels: half of bf16's bytes; the verify keeps the output exact) "
-        "| auto (int8 where the CPU kernels serve the head, else target)",
-    )
+    num_speculative_tokens: list[Annotated[int, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)]] = Field(
+        default_factory=lambda: [1, 2, 3], min_length=1,
+        description="draft tokens per speculative step (k), each value measured in turn")
+    max_new_tokens: int = Field(128, ge=1, description="tokens generated per prompt at most")
+    temperature: float = Field(0.0, ge=0.0, description="sampling temperature of every method; 0 = greedy")
     cost_curve: bool = Field(False, description="also profile decode/verify/draft-step costs before and after the "
                              "runs (a few seconds each, averaged) and report the speedup they predict per k (best k by "
                              "cost curve) beside the measured one")
-    batch_sizes: list[int] = Field(
+    batch_sizes: list[Annotated[int, Field(ge=1, le=MAX_EVAL_BATCH)]] = Field(
         default_factory=lambda: [1], min_length=1,
         description="answer the prompts this many at a time, each batch size in turn (e.g. [1, 4, 16]): τ, tokens/s "
                     "and speedup per batch size in the report and a speedup-against-batch-size plot; the first one "
                     "gives the main tables")
 
-    @field_validator("num_speculative_tokens")
-    @classmethod
-    def _positive_token_counts(cls, counts: list[int]) -> list[int]:
-        if any(count < 1 for count in counts):
-            raise ValueError(f"expected counts >= 1, got {counts}")
-        return counts
-
     @field_validator("batch_sizes")
     @classmethod
-    def _batch_sizes_in_range(cls, sizes: list[int]) -> list[int]:
-        if any(not 1 <= size <= MAX_EVAL_BATCH for size in sizes) or len(set(sizes)) != len(sizes):
-            raise ValueError(f"expected distinct batch sizes in 1..{MAX_EVAL_BATCH}, got {sizes}")
+    def _distinct_batch_sizes(cls, sizes: list[int]) -> list[int]:
+        if len(set(sizes)) != len(sizes):
+            raise ValueError(f"expected distinct batch sizes, got {sizes}")
         return sizes
 
 
@@ -341,6 +362,7 @@ class Recipe(_Section):
 
     name: str
     target: TargetSection = Field(default_factory=TargetSection)
+    precision: PrecisionSection = Field(default_factory=PrecisionSection)
     data: DataSection = Field(default_factory=DataSection)
     precompute: PrecomputeSection = Field(default_factory=PrecomputeSection)
     head: HeadSection = Field(default_factory=HeadSection)
@@ -417,6 +439,12 @@ def _parse_yaml(text: str) -> Any:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def parse_value(text: str) -> Any:
+    """A value as `--set` and the generated options read it: a YAML scalar or flow value; empty = null. Raises
+    yaml.YAMLError."""
+    return _parse_yaml(text) if text.strip() else None
+
+
 def _parse_override(override: str) -> tuple[list[str], Any]:
     """Split `a.b.c=value` into (["a", "b", "c"], value parsed as a YAML scalar / flow value; empty = null)."""
     key, sep, raw_value = override.partition("=")
@@ -427,40 +455,40 @@ def _parse_override(override: str) -> tuple[list[str], Any]:
     if any(not part for part in path):
         raise UserError(f"--set {override}: empty key segment")
     try:
-        value = _parse_yaml(raw_value) if raw_value.strip() else None
+        value = parse_value(raw_value)
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise UserError(f"--set {override}: value is not valid YAML ({problem})") from None
     return path, value
 
 
-def _apply_override(config: dict[str, Any], path: list[str], value: Any, override_text: str) -> None:
+def _apply_override(config: dict[str, Any], path: list[str], value: Any, origin: str) -> None:
     """Set `value` at `path` inside the raw (not yet validated) recipe mapping, creating sections as needed."""
     node: Any = config
     for depth, part in enumerate(path[:-1]):
         where = ".".join(path[: depth + 1])
         if isinstance(node, list):
-            node = node[_list_index(node, part, where, override_text)]
+            node = node[_list_index(node, part, where, origin)]
             continue
         child = node.get(part)
         if child is None:
             child = node[part] = {}
         elif not isinstance(child, (dict, list)):
-            raise UserError(f"--set {override_text}: {where} is a value ({child!r}), not a section")
+            raise UserError(f"{origin}: {where} is a value ({child!r}), not a section")
         node = child
     last = path[-1]
     if isinstance(node, list):
-        node[_list_index(node, last, ".".join(path), override_text)] = value
+        node[_list_index(node, last, ".".join(path), origin)] = value
     else:
         node[last] = value
 
 
-def _list_index(items: list[Any], part: str, where: str, override_text: str) -> int:
+def _list_index(items: list[Any], part: str, where: str, origin: str) -> int:
     if not part.isdigit():
-        raise UserError(f"--set {override_text}: {where}: expected a list index (0, 1, ...), got {part!r}")
+        raise UserError(f"{origin}: {where}: expected a list index (0, 1, ...), got {part!r}")
     index = int(part)
     if index >= len(items):
-        raise UserError(f"--set {override_text}: {where}: index {index} out of range (the list has {len(items)} items)")
+        raise UserError(f"{origin}: {where}: index {index} out of range (the list has {len(items)} items)")
     return index
 
 
@@ -509,7 +537,9 @@ def _describe_error(error: dict[str, Any]) -> str:
     kind = error["type"]
     given = error.get("input")
     ctx = error.get("ctx") or {}
-    if kind == "extra_forbidden":
+    if kind == "extra_forbidden" and _dotted(loc) in MOVED_KEYS:
+        message = f"moved to {MOVED_KEYS[_dotted(loc)]}"
+    elif kind == "extra_forbidden":
         hint = difflib.get_close_matches(str(loc[-1]), _known_keys(loc), n=1)
         message = "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else "")
     elif kind == "missing":
@@ -529,12 +559,14 @@ def _describe_error(error: dict[str, Any]) -> str:
     return f"{_dotted(loc) or '<recipe>'}: {message}"
 
 
-def _origin_of(loc: tuple[int | str, ...], applied_overrides: list[tuple[list[str], str]], recipe_file: str) -> str:
-    """Which input produced the value at `loc`: the `--set` that wrote it (or a parent of it), else the file."""
+def _origin_of(loc: tuple[int | str, ...], applied_overrides: list[Override], recipe_file: str) -> str:
+    """Which input produced the value at `loc`: the override (`--set` or option) that wrote it (or a parent of it),
+    else the file."""
     loc_parts = [str(part) for part in loc]
-    for path, override_text in reversed(applied_overrides):
+    for override in reversed(applied_overrides):
+        path = list(override.path)
         if loc_parts[: len(path)] == path or path[: len(loc_parts)] == loc_parts:
-            return f"--set {override_text}"
+            return override.origin
     return recipe_file
 
 
@@ -543,10 +575,21 @@ def _origin_of(loc: tuple[int | str, ...], applied_overrides: list[tuple[list[st
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Recipe:
-    """Read a recipe YAML file, apply `a.b=c` overrides (values parsed as YAML) and validate it.
+@dataclass(frozen=True)
+class Override:
+    """One value set on top of the recipe file, by `--set KEY=VALUE` or by a command's option
+    (`cli_options.add_recipe_options`); `origin` is how the user wrote it, named in a validation error."""
 
-    Raises UserError naming the file (or the `--set` option) and the full key path on any problem.
+    path: tuple[str, ...]
+    value: Any
+    origin: str
+
+
+def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str | Override] = ()) -> Recipe:
+    """Read a recipe YAML file, apply the overrides in order (`a.b=c` texts, values parsed as YAML, or `Override`s)
+    and validate it.
+
+    Raises UserError naming the file (or the `--set` / option that set the value) and the full key path on any problem.
     """
     recipe_path = Path(path)
     if not recipe_path.is_file():
@@ -566,19 +609,26 @@ def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
     if not isinstance(raw, dict):
         raise UserError(f"{recipe_path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
     raw.setdefault("name", recipe_path.stem)
+    return build_recipe(raw, overrides, str(recipe_path))
 
-    applied_overrides: list[tuple[list[str], str]] = []
+
+def build_recipe(raw: dict[str, Any], overrides: Iterable[str | Override] = (), source: str = "<recipe>") -> Recipe:
+    """Apply the overrides in order to the raw recipe mapping `raw` (changed in place) and validate it; a problem is
+    a UserError naming the override that set the value, else `source` (the file), and the full key path."""
+    applied_overrides: list[Override] = []
     for override in overrides:
-        key_path, value = _parse_override(override)
-        _apply_override(raw, key_path, value, override)
-        applied_overrides.append((key_path, override))
+        if isinstance(override, str):
+            key_path, value = _parse_override(override)
+            override = Override(tuple(key_path), value, f"--set {override}")
+        _apply_override(raw, list(override.path), override.value, override.origin)
+        applied_overrides.append(override)
 
     try:
         return Recipe.model_validate(raw)
     except ValidationError as err:
         errors = err.errors()
         first = errors[0]
-        origin = _origin_of(tuple(first["loc"]), applied_overrides, str(recipe_path))
+        origin = _origin_of(tuple(first["loc"]), applied_overrides, source)
         more = f" (+{len(errors) - 1} more error(s))" if len(errors) > 1 else ""
         raise UserError(f"{origin}: {_describe_error(first)}{more}") from None
 
@@ -621,11 +671,10 @@ def canonical_hash(data: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def with_precision(recipe: Recipe, dtype: str, decode_dtype: str) -> Recipe:
-    """The recipe with `target.dtype: auto` (and `decode_dtype`) replaced by what a stage resolved them to, so that
-    `recipe.resolved.yaml` records the dtypes that really ran."""
-    target = recipe.target.model_copy(update={"dtype": dtype, "decode_dtype": decode_dtype})
-    return recipe.model_copy(update={"target": target})
+def with_precision(recipe: Recipe, resolved: dict[str, str]) -> Recipe:
+    """The recipe with the `precision` keys a stage resolved (`Precision.recipe_values()`: `auto` replaced by what
+    ran) written in, so that `recipe.resolved.yaml` records the dtypes that really ran."""
+    return recipe.model_copy(update={"precision": recipe.precision.model_copy(update=resolved)})
 
 
 def save_resolved(recipe: Recipe, directory: str | os.PathLike[str]) -> Path:
@@ -633,19 +682,3 @@ def save_resolved(recipe: Recipe, directory: str | os.PathLike[str]) -> Path:
     header = f"# Resolved recipe {recipe.name!r}: every default filled in; written by mtp-train.\n"
     body = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True, width=120)
     return atomic_write_text(Path(directory) / RESOLVED_RECIPE_FILENAME, header + body)
-
-
-def add_recipe_args(parser: argparse.ArgumentParser) -> None:
-    """Add `--recipe PATH` and repeatable `--set KEY=VALUE` to a subcommand's parser (dest: recipe, overrides)."""
-    parser.add_argument(
-        "--recipe", default=DEFAULT_RECIPE_PATH, metavar="PATH", help=f"recipe YAML (default: {DEFAULT_RECIPE_PATH})"
-    )
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a recipe value, e.g. --set train.lr=3e-4 (YAML values; repeatable)",
-    )
-
-
-def recipe_from_args(args: argparse.Namespace) -> Recipe:
-    """The recipe named by `--recipe` with the `--set` overrides applied."""
-    return load_recipe(args.recipe, args.overrides)

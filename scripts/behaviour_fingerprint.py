@@ -33,7 +33,7 @@ from mtp_train.recipe import load_recipe
 from mtp_train.runtime.chat import stop_token_ids
 from mtp_train.runtime.generate import generate
 from mtp_train.runtime.loader import load_model, load_tokenizer, resolve_device
-from mtp_train.runtime.precision import resolve_precision
+from mtp_train.runtime.precision import resolve_section
 from mtp_train.runtime.sampler import SamplingParams
 from mtp_train.runtime.spec import DraftTree, PromptLookup, TreeShape, speculative_generate
 
@@ -59,13 +59,13 @@ def fingerprint(run_dir: Path, num_prompts: int, max_new_tokens: int, exports_di
                 dtype: str | None = None) -> dict:
     recipe = load_recipe(run_dir / "recipe.resolved.yaml")
     device = resolve_device(recipe.target.device)
-    target_dtype, decode_dtype = (dtype, "auto") if dtype else (recipe.target.dtype, recipe.target.decode_dtype)
-    precision = resolve_precision(target_dtype, decode_dtype, device, kv_cache_dtype=recipe.target.kv_cache_dtype)
+    section = recipe.precision.model_copy(update={"compute": dtype, "decode": "auto"}) if dtype else recipe.precision
+    precision = resolve_section(section, device)
     target = load_model(recipe.target.path, device=device, precision=precision)
     tokenizer = load_tokenizer(recipe.target.path)
     head_dir = run_dir / "head"
     head = load_draft(target, tokenizer, precision, head=str(head_dir),
-                      head_decode_dtype=recipe.eval.head_decode_dtype)
+                      head_decode_dtype=recipe.precision.head_decode)
     prompts = [first_turn_ids(tokenizer, p) for p in load_heldout(recipe.prepared_dir, num_prompts).prompts]
     stops = stop_token_ids(tokenizer, target.config)
     plain = []
@@ -102,7 +102,7 @@ def main() -> int:
     parser.add_argument("--run", type=Path, required=True, help="a trained run directory (head/, recipe.resolved.yaml)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", help="target.dtype instead of the run's (decode dtype then auto), e.g. auto")
+    parser.add_argument("--dtype", help="precision.compute instead of the run's (decode dtype then auto), e.g. auto")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--exports-dir", type=Path, default=Path(tempfile.gettempdir()) / "mtp-train-fingerprint",
                         help="where each format is exported (replaced on each run; keep it the same for runs compared)")

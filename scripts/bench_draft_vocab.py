@@ -78,9 +78,9 @@ def main() -> None:
 
     from mtp_train.runtime.hardware import machine_fields
     from mtp_train.runtime.decode_runner import head_runner
-    from mtp_train.runtime.precision import resolve_precision
+    from mtp_train.runtime.precision import resolve_section
 
-    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, "cpu")
+    precision = resolve_section(recipe.precision, "cpu")
     print(f"eval: {precision.describe()}")
     target = load_model(recipe.target.path, device="cpu", precision=precision)
     tokenizer = load_tokenizer(recipe.target.path)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Precompute speed: our runtime (ragged prefill, no padding, no logits) vs transformers forward with
-`output_hidden_states=True` (padded batches), both in the compute dtype `target.dtype: auto` picks here (`--dtype` to
+`output_hidden_states=True` (padded batches), both in the compute dtype `precision.compute: auto` picks here (`--dtype` to
 force one), on the same batches of ShareGPT conversations; when that is not bf16, our runtime forced to bf16 beside it;
 the fraction of this machine's measured matmul peak; bytes/token and reconstruction error of each feature storage
 dtype. Ends with a `RESULT` line naming the machine."""

@@ -5,11 +5,11 @@ Paths (each with its own target, weight copies and head):
 - `torch`: our runtime without the decode path (fp32 weights, the model's own torch ops);
 - `kernels-fp32`: the same model with the CPU decode kernels over fp32 weights (`apply_decode_path`);
 - `auto`: the model as the pipeline loads it (`--dtype auto`: on an AVX2-only CPU fp32 weights, bf16 copies read
-  by the kernels for forwards of up to `decode_max_rows` rows), the head as `eval` loads it (`head_decode_dtype:
+  by the kernels for forwards of up to `decode_max_rows` rows), the head as `eval` loads it (`precision.head_decode:
   auto`: int8 draft weights where the kernels serve it);
-- `auto-kv-fp32`: `auto` with its K/V cache in fp32 (`target.kv_cache_dtype: float32`; `auto` holds it in bf16
+- `auto-kv-fp32`: `auto` with its K/V cache in fp32 (`precision.kv_cache: float32`; `auto` holds it in bf16
   when its decode weights are bf16): the cache's bytes, side by side;
-- `int8`: the quantized serving target (`target.decode_dtype: int8`: weight-only int8 copies read by the kernels),
+- `int8`: the quantized serving target (`precision.decode: int8`: weight-only int8 copies read by the kernels),
   with an int8 head; its plain decode is timed beside `auto`'s in part 2.
 
 1. Cost profile, per path, for a short (~200-token) and a long (~4k-token) prompt (MT-bench questions and the repo's

@@ -163,7 +163,7 @@ def prepare_workdir(name: str, workdir: Path, args) -> list[str]:
         # states either way, so the training runs read the same features whatever dtype they compute in.
         from mtp_train.runtime.hardware import cpu_facts
 
-        precompute_dtype = [] if cpu_facts().native_bf16 else ["--set", "target.dtype=float32"]
+        precompute_dtype = [] if cpu_facts().native_bf16 else ["--set", "precision.compute=float32"]
         print(f"{name}: prepare + precompute {args.conversations} synthetic conversations in {workdir}", flush=True)
         _run([sys.executable, "-m", "mtp_train", "prepare", "--recipe", recipe, *sets, "--force"], f"{name} prepare")
         _run([sys.executable, "-m", "mtp_train", "precompute", "--recipe", recipe, *sets, *precompute_dtype,
@@ -213,7 +213,7 @@ def main() -> None:
         workdir = Path(args.workdir) / name
         overrides = prepare_workdir(name, workdir, args)
         for dtype in args.dtypes.split(","):
-            dtype_sets = [] if dtype == "recipe" else [f"target.dtype={dtype}"]
+            dtype_sets = [] if dtype == "recipe" else [f"precision.compute={dtype}"]
             results = {mode: measure(name, mode, workdir, overrides + dtype_sets) for mode in ("full", "frozen")}
             full, frozen = results["full"], results["frozen"]
             key = f"{name}_{SHORT.get(frozen['compute_dtype'], frozen['compute_dtype'])}"

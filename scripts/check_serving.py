@@ -94,8 +94,8 @@ LAYER0_SCALE = 0.001
 HIDDEN_MIX = 0.01
 DEEPSEEK_NAME = "serve-check-deepseek-mtp"  # runs/<this> (the head, recipe.resolved.yaml), data/prepared/<this>
 DEEPSEEK_SETS = [f"name={DEEPSEEK_NAME}", "data.max_samples=200", "data.eval_fraction=0.05",
-                 "head.draft_vocab_size=full", "head.block_mlp=moe", "head.init=last_layer", "target.dtype=float32",
-                 "target.decode_dtype=float32", "target.device=cpu", "tracking.wandb.mode=disabled"]
+                 "head.draft_vocab_size=full", "head.block_mlp=moe", "head.init=last_layer", "precision.compute=float32",
+                 "precision.decode=float32", "target.device=cpu", "tracking.wandb.mode=disabled"]
 
 
 @dataclass(frozen=True)
@@ -439,7 +439,7 @@ def our_eval(recipe: Path, sets: list[str], export_dir: Path, out: Path, k: int,
     `mask_position_0`, run as `masked_mtp_train`."""
     args = ["eval", "--recipe", str(recipe), "--head", str(export_dir), "--out", str(out), "--no-prompt-lookup",
             "--num-speculative-tokens", str(k), "--limit", str(limit), "--max-new-tokens", str(max_new)]
-    for item in [*sets, "target.dtype=float32", "target.decode_dtype=float32", "target.device=cpu",
+    for item in [*sets, "precision.compute=float32", "precision.decode=float32", "target.device=cpu",
                  "eval.temperature=0.0", "eval.cost_curve=false"]:
         args += ["--set", item]
     if mask_position_0:

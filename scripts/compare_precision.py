@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """How far each precision path of our runtime is from transformers in fp32, over a prepared split's samples: the
-prompt prefill that eval runs in `target.dtype: auto` on this machine, our fp32 runtime, and a bf16 model (what a GPU
+prompt prefill that eval runs in `precision.compute: auto` on this machine, our fp32 runtime, and a bf16 model (what a GPU
 or a native-bf16 CPU's precompute computes in).
 
 For each path and sample, one paged prefill of the whole sample (as eval prefills a prompt, reading its keys and

@@ -57,7 +57,7 @@ def tiny_recipe_overrides(root: Path, target: Path, source: Path, **extra) -> li
     overrides = {
         "name": "tiny",
         "target.path": str(target),
-        "target.dtype": "float32",
+        "precision.compute": "float32",
         "target.device": "cpu",
         "data.sources": f"[{{path: '{source}', format: sharegpt}}]",
         "data.output_dir": str(root / "prepared"),

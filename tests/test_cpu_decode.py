@@ -635,7 +635,7 @@ def test_the_layer_stack_call_computes_what_the_layers_compute_one_by_one(ops, t
 
 
 def test_an_int8_head_drafts_through_the_kernels_and_greedy_output_stays_the_targets(ops, tiny_dir):
-    """`head_decode_dtype` int8 (`head_runner`): the head's layer, input projection and draft
+    """`precision.head_decode` int8 (`head_runner`): the head's layer, input projection and draft
     projection hold int8 weights with row scales; the target's verify keeps greedy speculative output identical to
     plain greedy; `auto` picks int8 where the kernels serve the head, `target` keeps the target's decode weights."""
     from mtp_train.runtime.precision import Precision
@@ -674,7 +674,7 @@ def test_an_int8_head_is_refused_where_the_kernels_do_not_serve_it(monkeypatch, 
 
 
 def test_an_int8_target_stays_within_its_quantization_and_speculates_losslessly(ops, tiny_dir):
-    """`target.decode_dtype: int8` serves the target's decode and verify matmuls from row-quantized int8 weights:
+    """`precision.decode: int8` serves the target's decode and verify matmuls from row-quantized int8 weights:
     its logits stay within the quantization error of fp32's, and greedy speculative decoding over it reproduces
     plain greedy decoding over it token for token."""
     from mtp_train.runtime.precision import resolve_precision

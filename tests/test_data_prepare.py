@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mtp_train.commands.prepare import register
-from mtp_train.data.prepare import prepare_dataset
+from mtp_train.data.prepare import _inputs_fingerprint, prepare_dataset
 from mtp_train.data.prepared import (
     eval_split_of,
     load_prepared,
@@ -317,3 +317,22 @@ def test_no_eval_fraction_gives_an_empty_eval_split(workspace) -> None:
     prepared = load_prepared(out, verify=True)
     assert len(prepared.eval) == 0 and len(prepared.train) == prepared.stats["kept"]
     assert prepared.eval.features == prepared.train.features
+
+
+def test_the_precision_counts_for_prepared_data_only_when_the_target_writes_the_replies(tmp_path):
+    """`precision` (compute, decode, K/V cache) decides the target's replies under `data.regenerate`, so it is part of
+    the inputs a prepared dataset is reused for; without regeneration it changes nothing prepare writes."""
+    source = tmp_path / "chats.jsonl"
+    source.write_text("{}\n", encoding="utf-8")
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text("", encoding="utf-8")
+
+    def inputs(*sets):
+        recipe = load_recipe(recipe_path, [f"data.sources=[{{path: {source}}}]", *sets])
+        return _inputs_fingerprint(recipe, "tokenizer digest", None)
+
+    assert inputs() == inputs("precision.compute=float32")
+    regenerate = "data.regenerate.enabled=true"
+    assert inputs(regenerate) != inputs(regenerate, "precision.compute=float32")
+    assert inputs(regenerate) == inputs(regenerate, "precision.features=float16")  # the feature cache's, not prepare's
+

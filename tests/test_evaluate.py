@@ -115,10 +115,12 @@ def test_a_recipe_that_does_not_ask_for_the_cost_curve_gets_none():
     assert load_recipe(RECIPE, []).eval.cost_curve is True  # `make demo` asks for it
 
 
-def test_eval_on_heldout_split_and_errors(setup):
+def test_eval_on_heldout_split_and_errors(setup, capsys):
     root, recipe, _ = setup
     report = evaluate(recipe, root / "head", None, None, 3, [2], 8, root / "report-heldout", show_progress=False,
                       prompt_lookup=False)
+    printed = capsys.readouterr().out
+    assert printed.count("compute dtype") == 1 and "eval: compute dtype float32 (as set)" in printed  # once per stage
     assert report["num_prompts"] == 3 and report["overall"]["mtp@k=2"]["greedy_match"]
     assert set(report["overall"]) == {"plain", "mtp@k=2"}
     settings = report["settings"]  # the dtypes that ran and the machine they ran on
@@ -126,7 +128,7 @@ def test_eval_on_heldout_split_and_errors(setup):
     assert settings["precision_reason"] == "set in the recipe" and settings["cpu_capability"]
     from mtp_train.runtime.kernels import cpu_kernels
 
-    # eval.head_decode_dtype auto: the head drafts on int8 weights where the CPU kernels serve it
+    # precision.head_decode auto: the head drafts on int8 weights where the CPU kernels serve it
     assert settings["head_decode_weights"] == ("int8" if cpu_kernels() is not None else "float32")
     with pytest.raises(UserError, match="prompts file not found"):
         load_mt_bench(root / "missing.jsonl")

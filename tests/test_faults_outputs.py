@@ -163,12 +163,12 @@ def test_precompute_refuses_another_compute_dtype(pipeline, tmp_path, finished):
     overrides, _ = pipeline
     features = tmp_path / "features"
     # keys and values rounded to bf16 either way, so only the compute dtype differs between the two runs
-    overrides = overrides + [f"precompute.output_dir={features}", "precompute.kv_dtype=bfloat16"]
+    overrides = overrides + [f"precompute.output_dir={features}", "precision.kv_cache=bfloat16"]
     recipe = load_recipe(RECIPE_PATH, overrides)
     run_precompute(recipe)
     if not finished:
         (features / "manifest.json").unlink()  # interrupted before the manifest: the progress files remain
-    bf16 = load_recipe(RECIPE_PATH, overrides + ["target.dtype=bfloat16"])
+    bf16 = load_recipe(RECIPE_PATH, overrides + ["precision.compute=bfloat16"])
     with pytest.raises(UserError, match="existing cache has target_dtype='float32', this run 'bfloat16'"):
         run_precompute(bf16)
     run_precompute(bf16, force=True)  # ours to start over

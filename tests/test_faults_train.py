@@ -221,8 +221,8 @@ def test_summary_counts_the_whole_run_after_a_resume(features, tmp_path, capsys)
     """bf16 training (DeepSpeed's bf16 checkpoint classes load weights-only too); summary tokens = all metric rows."""
     _, overrides = features
     run_dir = tmp_path / "summary"
-    _train(overrides, run_dir, "train.max_steps=2", "target.dtype=bfloat16")
-    _train(overrides, run_dir, "train.max_steps=4", "target.dtype=bfloat16")
+    _train(overrides, run_dir, "train.max_steps=2", "precision.compute=bfloat16")
+    _train(overrides, run_dir, "train.max_steps=4", "precision.compute=bfloat16")
     assert "resumed from" in capsys.readouterr().out
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())

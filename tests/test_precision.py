@@ -1,4 +1,4 @@
-"""`target.dtype: auto`: what it resolves to on mocked machines, the decode-weight copies, and what stages record."""
+"""`precision.compute: auto` (and decode, kv_cache): what it resolves to on mocked machines, the decode-weight copies, and what stages record."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from mtp_train.runtime.precision import (
     decode_probe,
     decode_rows_for_bf16,
     resolve_precision,
+    resolve_section,
 )
+from mtp_train.recipe import PrecisionSection
 
 pytestmark = pytest.mark.cpu_paths  # its expectations depend on the CPU: rerun as other kinds (tests/test_cpu_kinds.py)
 
@@ -118,12 +120,12 @@ def test_explicit_dtypes_are_honoured():
     assert (mixed.dtype, mixed.decode_dtype, mixed.split) == ("float32", "bfloat16", True)
     pinned = resolve_precision("auto", "float32", "cpu", facts=AVX2, decode_timer=_never_called)
     assert (pinned.dtype, pinned.decode_dtype, pinned.split) == ("float32", "float32", False)
-    with pytest.raises(UserError, match="target.dtype: 'fp8'"):
+    with pytest.raises(UserError, match="precision.compute: 'fp8'"):
         resolve_precision("fp8", "auto", "cpu", facts=AVX2)
 
 
 def test_the_kv_cache_follows_the_decode_weights_unless_set(tmp_path):
-    """`target.kv_cache_dtype: auto`: bf16 where decode reads bf16 or int8 weights (or the model is bf16), else the
+    """`precision.kv_cache: auto`: bf16 where decode reads bf16 or int8 weights (or the model is bf16), else the
     compute dtype; as set otherwise; anything else refused with the key's name. The loader hands it to the model."""
     from mtp_train.runtime.loader import load_model
     from tests.tiny_models import save_tiny_model
@@ -138,13 +140,34 @@ def test_the_kv_cache_follows_the_decode_weights_unless_set(tmp_path):
                                kv_cache_dtype="float32")
     assert (pinned.decode_dtype, pinned.kv_cache_dtype) == ("bfloat16", "float32")
     assert resolve_precision("float32", "auto", "cpu", kv_cache_dtype="bfloat16").kv_cache_torch_dtype == torch.bfloat16
-    with pytest.raises(UserError, match="target.kv_cache_dtype: 'int8'"):
+    with pytest.raises(UserError, match="precision.kv_cache: 'int8'"):
         resolve_precision("float32", "auto", "cpu", kv_cache_dtype="int8")
     model = load_model(save_tiny_model(tmp_path, "llama"), device="cpu", precision=timed)
     assert model.kv_cache_dtype == torch.bfloat16
     from mtp_train.runtime.kv_cache import PageAllocator
 
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in model.new_kv_cache(PageAllocator(4, 4)).layers)
+
+
+def test_precompute_resolves_the_served_kv_cache_without_decoding():
+    """Phase "kv_cache" (precompute): the prefill's compute dtype, and the K/V cache a decoding stage resolves from
+    the same section (decode timing included), in one resolution whose line and recipe values name both."""
+    section = PrecisionSection()
+    features = resolve_section(section, "cpu", phases=("prefill", "kv_cache"), facts=AVX2,
+                               decode_timer=lambda: _timing(4))
+    served = resolve_section(section, "cpu", facts=AVX2, decode_timer=lambda: _timing(4))
+    assert (features.dtype, features.split, features.kv_cache_dtype) == ("float32", False, "bfloat16")
+    assert served.kv_cache_dtype == features.kv_cache_dtype
+    assert features.describe().startswith("compute dtype float32, K/V cache bfloat16 (auto: ")
+    assert features.recipe_values() == {"compute": "float32", "kv_cache": "bfloat16"}
+    assert served.recipe_values() == {"compute": "float32", "decode": "bfloat16", "kv_cache": "bfloat16"}
+    training = resolve_section(section, "cpu", phases=("prefill",), facts=AVX2, decode_timer=_never_called)
+    assert training.recipe_values() == {"compute": "float32"} and "K/V" not in training.describe()
+    pinned = resolve_section(PrecisionSection(kv_cache="float32"), "cpu", phases=("prefill", "kv_cache"), facts=AVX2,
+                             decode_timer=_never_called)  # set: nothing to time
+    assert pinned.kv_cache_dtype == "float32" and pinned.describe() == "compute dtype float32 (auto: " + pinned.reason + ")"
+    with pytest.raises(ValueError, match="unknown phase"):
+        resolve_precision("auto", "auto", "cpu", phases=("prefill", "verify"))
 
 
 def test_decode_rows_stop_at_the_first_row_count_where_bf16_loses():
@@ -263,7 +286,7 @@ def test_on_native_bf16_cpus_verifies_of_up_to_32_rows_stay_on_the_decode_path(m
 
 
 def test_int8_decode_weights_need_an_fp32_model_on_the_cpu_kernels(monkeypatch):
-    """`target.decode_dtype: int8` (the quantized serving target): an fp32 model whose decode/verify matmuls read
+    """`precision.decode: int8` (the quantized serving target): an fp32 model whose decode/verify matmuls read
     row-quantized int8 copies through the CPU kernels, up to EXACT_VERIFY_ROWS rows (above them fp32 GEMMs would
     round differently from the decode steps a verify replaces); refused with the reason where that cannot run."""
     from mtp_train.runtime import kernels
@@ -286,11 +309,11 @@ def test_int8_decode_weights_need_an_fp32_model_on_the_cpu_kernels(monkeypatch):
                  - model[0].bias).abs().max() < 1e-5)
         assert (model(x) - torch.nn.functional.linear(x, model[0].weight, model[0].bias)).abs().max() < (
             scale.max() / 127 * x.abs().sum(1).max())
-    with pytest.raises(UserError, match="needs target.dtype float32 or auto"):
+    with pytest.raises(UserError, match="needs precision.compute float32 or auto"):
         resolve_precision("bfloat16", "int8", "cpu", facts=AVX512_BF16)
     with pytest.raises(UserError, match="on cuda use bfloat16 or float16"):
         resolve_precision("auto", "int8", "cuda", facts=AVX512_BF16)
-    with pytest.raises(UserError, match="target.dtype: 'int8' is not a dtype"):
+    with pytest.raises(UserError, match="precision.compute: 'int8' is not a dtype"):
         resolve_precision("int8", "auto", "cpu", facts=AVX2)
     monkeypatch.setattr(kernels, "_state", {"ops": None, "reason": "disabled by the test"})
     with pytest.raises(UserError, match="unavailable here .disabled by the test."):

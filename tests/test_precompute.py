@@ -18,6 +18,7 @@ from mtp_train.errors import UserError
 from mtp_train.features.format import decode_hidden, encode_hidden, load_manifest
 from mtp_train.features.precompute import pack_batches, plan_rank_shards, run_precompute
 from mtp_train.features.verify import verify_features
+from mtp_train.recipe import load_recipe
 from tests.pipeline_fixtures import free_port, tiny_pipeline
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,14 +86,13 @@ def test_features_match_transformers_hidden_states(tmp_path):
 
 
 def test_kv_dtype_stores_the_states_a_decode_over_a_bf16_cache_computes(tmp_path):
-    """`precompute.kv_dtype: bfloat16` on an fp32 target: the stored states are those of attention over keys and values
+    """`precision.kv_cache: bfloat16` on an fp32 target: the stored states are those of attention over keys and values
     rounded as a bf16 K/V cache holds them (the served target's), recorded in the manifest; a resume under another
     setting is refused."""
-    from mtp_train.recipe import load_recipe
     from mtp_train.runtime.attention import BatchInfo
     from mtp_train.runtime.loader import load_model
 
-    recipe, overrides = tiny_pipeline(tmp_path, num_conversations=16, **{"precompute.kv_dtype": "bfloat16"})
+    recipe, overrides = tiny_pipeline(tmp_path, num_conversations=16, **{"precision.kv_cache": "bfloat16"})
     root = run_precompute(recipe)
     assert load_manifest(root)["kv_dtype"] == "bfloat16"
     model = load_model(recipe.target.path, dtype="float32", device="cpu")
@@ -108,15 +108,27 @@ def test_kv_dtype_stores_the_states_a_decode_over_a_bf16_cache_computes(tmp_path
 
     (root / "manifest.json").unlink()  # pretend it was interrupted: progress files remain
     with pytest.raises(UserError, match="kv_dtype='bfloat16', this run 'float32'"):
-        run_precompute(load_recipe(RECIPE, overrides + ["precompute.kv_dtype=float32"]))
+        run_precompute(load_recipe(RECIPE, overrides + ["precision.kv_cache=float32"]))
+
+
+def test_features_from_vllm_refuse_a_kv_cache_set_for_the_runtime(tmp_path):
+    """`precision.kv_cache` is the runtime's cache; features from vLLM attend over vLLM's
+    (precompute.vllm.kv_cache_dtype), so an explicit value is refused before anything starts, naming both keys."""
+    _, overrides = tiny_pipeline(tmp_path, num_conversations=8)
+    recipe = load_recipe(RECIPE, overrides + ["precompute.backend=vllm", "precision.kv_cache=bfloat16",
+                                              f"precompute.output_dir={tmp_path / 'cache'}"])
+    with pytest.raises(UserError, match=r"precision.kv_cache bfloat16 is the runtime's K/V cache; .*"
+                                        r"precompute.vllm.kv_cache_dtype"):
+        run_precompute(recipe)
+    assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.parametrize("bf16_decode_wins", [True, False])
-def test_kv_dtype_auto_follows_the_k_v_cache_eval_decodes_over(tmp_path, monkeypatch, bf16_decode_wins):
-    """`precompute.kv_dtype: auto` with `target.dtype: auto` on an AVX2-only CPU: precompute runs the fp32 target and
+def test_kv_dtype_auto_follows_the_k_v_cache_eval_decodes_over(tmp_path, monkeypatch, capsys, bf16_decode_wins):
+    """`precision.kv_cache: auto` with `precision.compute: auto` on an AVX2-only CPU: precompute runs the fp32 target and
     rounds keys and values to bf16 when decode (timed, as eval times it) reads bf16 weights, so a bf16 K/V cache; an
-    fp32 decode keeps them unrounded."""
-    from mtp_train.recipe import load_recipe
+    fp32 decode keeps them unrounded. `auto` is resolved once and printed once, and recipe.resolved.yaml records what
+    it resolved to."""
     from mtp_train.runtime import precision
     from tests.test_precision import AVX2
 
@@ -125,9 +137,15 @@ def test_kv_dtype_auto_follows_the_k_v_cache_eval_decodes_over(tmp_path, monkeyp
     monkeypatch.setattr(precision, "decode_probe", lambda *a, **k: {rows: {"float32": 2e-3, "bfloat16": bf16_ms}
                                                                     for rows in precision.PROBE_ROWS})
     _, overrides = tiny_pipeline(tmp_path, num_conversations=12)
-    recipe = load_recipe(RECIPE, overrides + ["target.dtype=auto"])
-    manifest = load_manifest(run_precompute(recipe))
-    assert manifest["kv_dtype"] == ("bfloat16" if bf16_decode_wins else "float32")
+    recipe = load_recipe(RECIPE, overrides + ["precision.compute=auto"])
+    root = run_precompute(recipe)
+    kv = "bfloat16" if bf16_decode_wins else "float32"
+    assert load_manifest(root)["kv_dtype"] == kv
+    lines = [line for line in capsys.readouterr().out.splitlines() if "compute dtype" in line]
+    assert len(lines) == 1 and lines[0].startswith(
+        "precompute: compute dtype float32" + (", K/V cache bfloat16 (auto: " if bf16_decode_wins else " (auto: "))
+    resolved = load_recipe(root / "recipe.resolved.yaml").precision
+    assert (resolved.compute, resolved.decode, resolved.kv_cache) == ("float32", "auto", kv)
 
 
 def test_precompute_probes_no_peak_and_records_its_speed(tmp_path, monkeypatch, capsys):
@@ -215,7 +233,6 @@ def test_verify_catches_flipped_byte_and_truncation(tmp_path):
 
 
 def test_refuses_to_append_for_another_target(tmp_path):
-    from mtp_train.recipe import load_recipe
     from tests.pipeline_fixtures import make_tiny_target
 
     recipe, overrides = tiny_pipeline(tmp_path, num_conversations=16)

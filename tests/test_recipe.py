@@ -6,20 +6,28 @@ import argparse
 import os
 import stat
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import yaml
 
+from mtp_train.cli_options import add_recipe_args, recipe_from_args
 from mtp_train.errors import UserError
+from mtp_train.features.format import STORAGE_DTYPES
+from mtp_train.runtime.decode_runner import HEAD_DECODE_DTYPES
+from mtp_train.runtime.precision import DECODE_ONLY_DTYPES, DTYPE_NAMES, KV_CACHE_DTYPES
+from mtp_train.runtime.spec.engine import MAX_SPECULATIVE_TOKENS as ENGINE_LIMIT
 from mtp_train.recipe import (
     DEFAULT_RECIPE_PATH,
+    MAX_SPECULATIVE_TOKENS,
+    MOVED_KEYS,
     RESOLVED_RECIPE_FILENAME,
+    PrecisionSection,
     Recipe,
-    add_recipe_args,
     load_recipe,
-    recipe_from_args,
     recipe_hash,
     save_resolved,
+    with_precision,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +46,7 @@ DEMO_TUNED = {
     "data.max_samples": 600, "data.max_seq_len": 256, "head.draft_vocab_size": 8192, "train.zero_stage": 2,
     "train.micro_batch_tokens": 512, "train.lr": 2e-3, "train.warmup_steps": 10, "train.epochs": 6,
     "train.unroll_steps": 1, "train.loss_rows": "all", "train.eval_every": 100, "train.save_every": 100,
-    "eval.limit": 10, "eval.max_new_tokens": 96,
+    "eval.limit": 10, "eval.max_new_tokens": 96, "eval.cost_curve": True,
 }
 
 
@@ -125,7 +133,13 @@ def test_float_without_dot_in_the_file_is_a_float(tmp_path: Path) -> None:
         ("train: 3\n", "exp.yaml: train: expected a mapping of keys, got 3"),
         ("head:\n  draft_vocab_size: half\n", "exp.yaml: head.draft_vocab_size: expected 'full' or a positive integer"),
         ("data:\n  system_prompt:\n    mode: override\n", "exp.yaml: data.system_prompt: mode 'override' needs"),
-        ("eval:\n  num_speculative_tokens: [1, 0]\n", "exp.yaml: eval.num_speculative_tokens: expected counts >= 1"),
+        ("eval:\n  num_speculative_tokens: [1, 0]\n",
+         "exp.yaml: eval.num_speculative_tokens[1]: expected a value >= 1, got 0"),
+        ("eval:\n  num_speculative_tokens: [9]\n",
+         "exp.yaml: eval.num_speculative_tokens[0]: expected a value <= 8, got 9"),
+        ("eval:\n  batch_sizes: [2, 2]\n", "exp.yaml: eval.batch_sizes: expected distinct batch sizes, got [2, 2]"),
+        ("precision:\n  compute: fp8\n", "exp.yaml: precision.compute: expected one of 'auto', 'bfloat16', "),
+        ("precision:\n  computee: auto\n", "exp.yaml: precision.computee: unknown key (did you mean 'compute'?)"),
         ("name: has space\n", "exp.yaml: name: expected letters, digits"),
     ],
 )
@@ -224,3 +238,43 @@ def test_assignment_is_validated() -> None:
     assert recipe.data.regenerate.enabled is True
     with pytest.raises(ValueError):
         recipe.train.schedule = "sometimes"  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED_KEYS.items()))
+def test_a_moved_key_names_its_new_place_in_the_file_and_in_set(tmp_path: Path, old: str, new: str) -> None:
+    """The six dtype keys of the sections moved into `precision`: a recipe or `--set` that still uses one is refused
+    with the key's new name (nothing maps them silently)."""
+    section, key = old.split(".")
+    path = write_recipe(tmp_path, f"{section}:\n  {key}: auto\n")
+    with pytest.raises(UserError) as caught:
+        load_recipe(path)
+    assert str(caught.value) == f"{path}: {old}: moved to {new}"
+    with pytest.raises(UserError) as caught:
+        load_recipe(write_recipe(tmp_path, "", name="empty.yaml"), [f"{old}=auto"])
+    assert str(caught.value) == f"--set {old}=auto: {old}: moved to {new}"
+
+
+def test_precision_section_defaults_and_resolved_values(tmp_path: Path) -> None:
+    recipe = load_recipe(write_recipe(tmp_path, "precision:\n  kv_cache: bfloat16\n"), ["precision.decode=int8"])
+    assert (recipe.precision.compute, recipe.precision.decode, recipe.precision.kv_cache, recipe.precision.features,
+            recipe.precision.head_decode) == ("auto", "int8", "bfloat16", "bfloat16", "auto")
+    resolved = with_precision(recipe, {"compute": "float32", "decode": "int8"})
+    assert resolved.precision.compute == "float32" and recipe.precision.compute == "auto"  # a copy
+    save_resolved(resolved, tmp_path / "out")
+    assert load_recipe(tmp_path / "out" / RESOLVED_RECIPE_FILENAME).precision == resolved.precision
+
+
+def test_eval_k_limit_is_the_engines() -> None:
+    """The recipe bounds eval.num_speculative_tokens by the engine's limit without importing torch; pinned equal."""
+    assert MAX_SPECULATIVE_TOKENS == ENGINE_LIMIT
+
+
+def test_precision_choices_are_what_the_stages_accept() -> None:
+    """The schema's choices (and so the options' and the validation's) are the values the runtime and the feature
+    cache take, so no stage re-checks them."""
+    choices = {name: set(get_args(field.annotation)) for name, field in PrecisionSection.model_fields.items()}
+    assert choices["compute"] == {"auto", *DTYPE_NAMES}
+    assert choices["decode"] == {"auto", *DTYPE_NAMES, *DECODE_ONLY_DTYPES}
+    assert choices["kv_cache"] == set(KV_CACHE_DTYPES)
+    assert choices["features"] == set(STORAGE_DTYPES)
+    assert choices["head_decode"] == set(HEAD_DECODE_DTYPES)

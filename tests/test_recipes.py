@@ -72,11 +72,11 @@ def test_every_recipe_validates_and_agrees_with_its_deepspeed_config(path: Path)
 def test_production_recipes_are_sized_for_h100_nodes(name: str) -> None:
     expected = PRODUCTION[name]
     recipe = load_recipe(REPO_ROOT / "recipes" / f"{name}.yaml")
-    assert recipe.target.dtype == "bfloat16" and recipe.target.device == "cuda"
+    assert recipe.precision.compute == "bfloat16" and recipe.target.device == "cuda"
     assert recipe.target.path.startswith("data/models/")
     assert 2048 <= recipe.data.max_seq_len <= 4096
     assert len(recipe.data.sources) >= 2
-    assert recipe.precompute.storage_dtype == expected["storage"]
+    assert recipe.precision.features == expected["storage"]
     assert recipe.train.zero_stage == expected["zero"]
     assert recipe.train.deepspeed_config == f"recipes/deepspeed/zero{expected['zero']}.json"
     assert 16384 <= recipe.train.micro_batch_tokens <= 32768

@@ -89,7 +89,7 @@ def _torch_bf16_wins(rows_list=(1, 2, 3, 4, 6, 8, 12, 16)):
 
 @pytest.fixture(scope="module", params=["probed", "torch-bf16-probe"])
 def auto_model(request, smollm2_dir, tmp_path_factory):
-    """SmolLM2 in the dtypes `target.dtype: auto` picks on this machine (on an AVX2-only CPU: fp32 weights with bf16
+    """SmolLM2 in the dtypes `precision.compute: auto` picks on this machine (on an AVX2-only CPU: fp32 weights with bf16
     copies for the few-row decode/verify matmuls; on a native-bf16 CPU where the decode kernels win, the same with
     bf16 GEMMs for prefills). `torch-bf16-probe`: what auto picks on a native-bf16 CPU whose decode probe finds torch's
     bf16 matmul as fast as the kernels (a bf16 model), whatever this machine's probe says."""

@@ -53,7 +53,7 @@ def test_torchrun_zero2_two_ranks_loss_falls_and_head_has_no_frozen_tensors(feat
     run_dir = root / "run-ddp"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}", "-m",
                "mtp_train", "train", "--recipe", str(RECIPE), *_sets(overrides),
-               "--set", f"train.run_dir={run_dir}", "--set", "train.max_steps=24", "--set", "target.dtype=bfloat16"]
+               "--set", f"train.run_dir={run_dir}", "--set", "train.max_steps=24", "--set", "precision.compute=bfloat16"]
     result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = _metrics(run_dir)
@@ -128,7 +128,7 @@ def test_frozen_target_tensors_unchanged(features, monkeypatch, init):
 def test_kill_after_checkpoint_then_resume_matches_uninterrupted(features):
     root, overrides = features
     common = _sets(overrides) + ["--set", "train.max_steps=16", "--set", "train.save_every=4",
-                                 "--set", "train.keep_last=5", "--set", "target.dtype=bfloat16"]
+                                 "--set", "train.keep_last=5", "--set", "precision.compute=bfloat16"]
     straight = root / "run-straight"
     result = subprocess.run([sys.executable, "-m", "mtp_train", "train", "--recipe", str(RECIPE), *common,
                              "--set", f"train.run_dir={straight}"], cwd=REPO, env=ENV, capture_output=True,

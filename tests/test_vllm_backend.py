@@ -51,7 +51,7 @@ def pipeline(tmp_path_factory):
     _vllm_python()
     root = tmp_path_factory.mktemp("vllm-backend")
     _, overrides = tiny_pipeline(root, num_conversations=24, target_overrides=TINY_VLLM_TARGET,
-                                 **{"precompute.aux_layers": AUX_LAYERS, "precompute.kv_dtype": "float32"})
+                                 **{"precompute.aux_layers": AUX_LAYERS, "precision.kv_cache": "float32"})
     return root, overrides
 
 
@@ -60,7 +60,7 @@ def caches(pipeline):
     """(vLLM's cache, the runtime's cache) of the same prepared data, both computed in fp32."""
     root, overrides = pipeline
     runtime = run_precompute(load_recipe(RECIPE_PATH, overrides + [f"precompute.output_dir={root / 'runtime'}"]))
-    vllm_overrides = overrides + VLLM + ["precompute.kv_dtype=auto", f"precompute.output_dir={root / 'vllm'}"]
+    vllm_overrides = overrides + VLLM + ["precision.kv_cache=auto", f"precompute.output_dir={root / 'vllm'}"]
     vllm = run_precompute(load_recipe(RECIPE_PATH, vllm_overrides))
     return vllm, runtime, vllm_overrides
 
@@ -94,7 +94,7 @@ def test_a_finished_cache_is_checked_without_starting_vllm(caches, capsys):
     recipe = load_recipe(RECIPE_PATH, vllm_overrides + ["precompute.vllm.python=/nonexistent/python"])
     assert run_precompute(recipe) == vllm
     assert "is already complete" in capsys.readouterr().out
-    explicit = load_recipe(RECIPE_PATH, vllm_overrides + ["target.dtype=bfloat16"])
+    explicit = load_recipe(RECIPE_PATH, vllm_overrides + ["precision.compute=bfloat16"])
     with pytest.raises(UserError, match="target_dtype='float32', this run 'bfloat16'"):
         run_precompute(explicit)
 
@@ -196,7 +196,7 @@ def test_engine_devices_give_each_rank_its_own_gpus():
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["precompute.kv_dtype=bfloat16"], "precompute.kv_dtype bfloat16 is the runtime backend's"),
+    (["precision.kv_cache=bfloat16"], "precision.kv_cache bfloat16 is the runtime's K/V cache"),
     (["target.tensor_parallel=2"], "spreads the target with vLLM's own parallelism"),
     (["precompute.vllm.engine_args={data_parallel_size: 2}"], "data parallelism is torchrun's ranks"),
     (["precompute.vllm.engine_args={max_model_len: 64}"], r"engine_args: max_model_len set here"),
@@ -204,7 +204,7 @@ def test_engine_devices_give_each_rank_its_own_gpus():
 ])
 def test_misuse_is_refused_before_anything_runs(pipeline, tmp_path, sets, message):
     _, overrides = pipeline
-    recipe = load_recipe(RECIPE_PATH, overrides + VLLM + ["precompute.kv_dtype=auto",
+    recipe = load_recipe(RECIPE_PATH, overrides + VLLM + ["precision.kv_cache=auto",
                                                           f"precompute.output_dir={tmp_path / 'cache'}", *sets])
     with pytest.raises(UserError, match=message):
         run_precompute(recipe)
@@ -215,7 +215,7 @@ def test_a_worker_that_fails_names_its_log(pipeline, tmp_path):
     """vLLM refusing the model (here an engine argument it does not know) is a UserError naming the worker's log."""
     _, overrides = pipeline
     recipe = load_recipe(RECIPE_PATH, overrides + VLLM + [
-        "precompute.kv_dtype=auto", f"precompute.output_dir={tmp_path / 'cache'}",
+        "precision.kv_cache=auto", f"precompute.output_dir={tmp_path / 'cache'}",
         "precompute.vllm.engine_args={no_such_engine_argument: 1}"])
     with pytest.raises(UserError, match=r"vLLM failed: .*no_such_engine_argument.*its log: .*worker.log"):
         run_precompute(recipe)
@@ -232,7 +232,7 @@ def test_eval_in_vllm_beside_ours(caches, tmp_path, kind):
     vllm, _, vllm_overrides = caches
     run_dir = tmp_path / "run"
     sets = vllm_overrides + [f"train.run_dir={run_dir}", f"head.kind={kind}", "train.max_steps=24",
-                             "eval.cost_curve=false", "target.decode_dtype=float32"]
+                             "eval.cost_curve=false", "precision.decode=float32"]
     run_training(load_recipe(RECIPE_PATH, sets), show_progress=False)
     out = tmp_path / "eval"
     argv = ["eval", "--recipe", str(RECIPE_PATH), *(a for s in sets for a in ("--set", s)), "--engine", "both",

@@ -31,8 +31,8 @@ TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "n
 # Three families our runtime does not implement, and Qwen3, whose EAGLE-3 draft is vLLM's Qwen3-style block.
 FAMILIES = ("qwen3_moe", "phi3", "apertus", "qwen3")
 AUX_LAYERS = [0, 1, 2]
-VLLM = ["precompute.backend=vllm", "precompute.vllm.enforce_eager=true", "precompute.kv_dtype=auto",
-        "head.kind=eagle3", f"precompute.aux_layers={AUX_LAYERS}", "precompute.storage_dtype=float16"]
+VLLM = ["precompute.backend=vllm", "precompute.vllm.enforce_eager=true", "precision.kv_cache=auto",
+        "head.kind=eagle3", f"precompute.aux_layers={AUX_LAYERS}", "precision.features=float16"]
 
 pytestmark = pytest.mark.slow
 

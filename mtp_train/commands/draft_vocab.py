@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+from mtp_train.cli_options import add_recipe_args, recipe_from_args
+
 DEFAULT_COVERAGE_SIZES = (4096, 8192, 16384, 32768)
 
 
 def register(subparsers) -> None:
-    from mtp_train.recipe import add_recipe_args
-
     d = subparsers.add_parser(
         "draft-vocab",
         help="count the head's training labels and report coverage per reduced draft-vocabulary size",
@@ -18,9 +18,7 @@ def register(subparsers) -> None:
         "or the data's tokens), cache the counts next to the features and print the share of labels covered by the "
         "top-N tokens for each N. `train` uses the same counts to pick head.draft_vocab_size tokens.",
     )
-    add_recipe_args(d)
-    d.add_argument("--source", choices=("target", "data"), default=None,
-                   help="label source (default: the recipe's head.draft_vocab_source)")
+    add_recipe_args(d, ["head.draft_vocab_source"], {"head.draft_vocab_source": "--source"})
     d.add_argument("--sizes", type=int, nargs="+", metavar="N", help="draft vocabulary sizes to report")
     d.set_defaults(func=run_draft_vocab)
 
@@ -31,15 +29,14 @@ def run_draft_vocab(args: argparse.Namespace) -> int:
 
     from mtp_train.features.draft_vocab import coverage_table, load_or_count
     from mtp_train.fileio import write_json_atomic
-    from mtp_train.recipe import recipe_from_args
     from mtp_train.runtime.loader import load_model, resolve_device
-    from mtp_train.runtime.precision import resolve_precision
+    from mtp_train.runtime.precision import resolve_section
 
     recipe = recipe_from_args(args)
-    source = args.source or recipe.head.draft_vocab_source
+    source = recipe.head.draft_vocab_source
     features_dir = recipe.features_dir
     device = resolve_device(recipe.target.device)
-    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
+    precision = resolve_section(recipe.precision, device, phases=("prefill",))
     target = load_model(recipe.target.path, dtype=precision.dtype, device=device)
     weight = target.lm_head.weight.detach() if source == "target" else None
     with torch.inference_mode():

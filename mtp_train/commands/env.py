@@ -1,4 +1,4 @@
-"""`mtp-train env`: versions, CPU/GPU facts, what `target.dtype: auto` picks and why, measured ceilings
+"""`mtp-train env`: versions, CPU/GPU facts, what `precision.compute: auto` picks and why, measured ceilings
 (runtime/environment.py collects them)."""
 
 from __future__ import annotations

@@ -6,31 +6,26 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mtp_train.cli_options import add_recipe_args, recipe_from_args
+
+# Recipe keys `eval` takes as options (cli_options: type, choices, limits and help from the recipe's fields).
+RECIPE_OPTIONS = ("eval.prompts", "eval.limit", "eval.num_speculative_tokens", "eval.max_new_tokens",
+                  "eval.temperature", "eval.batch_sizes", "eval.engine", "target.tensor_parallel",
+                  "precision.compute", "precision.decode", "precision.kv_cache", "precision.head_decode")
+FLAGS = {"eval.batch_sizes": "--batch-size", "target.tensor_parallel": "--tp"}
+
 
 def register(subparsers) -> None:
-    from mtp_train.recipe import add_recipe_args
-
     p = subparsers.add_parser(
         "eval",
         help="measure τ, acceptance and speedup through the speculative inference path",
         description="Run plain and speculative decoding (same prompts, same settings; batch 1 unless --batch-size) and write "
         "report.json, report.md and PNG plots. Default draft: the recipe run's head (runs/<name>/head).",
     )
-    add_recipe_args(p)
+    add_recipe_args(p, RECIPE_OPTIONS, FLAGS)
     group = p.add_mutually_exclusive_group()
     group.add_argument("--head", default=None, help="draft head directory (native or any exported format)")
     group.add_argument("--draft", default=None, help="draft model directory (target–draft schedule)")
-    p.add_argument("--prompts", default=None, help="MT-bench-format JSONL (default: eval.prompts, else held-out split)")
-    p.add_argument("--limit", type=int, default=None, help="prompts evaluated (default: eval.limit)")
-    p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=None, metavar="K",
-                   help="k values (default: eval.num_speculative_tokens)")
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="N",
-                   help="answer the prompts N at a time, for each N given (default: eval.batch_sizes, [1]); the "
-                        "report adds τ, tokens/s and speedup per batch size and speedup_by_batch_size.png")
-    p.add_argument("--engine", choices=["ours", "vllm", "both"], default=None,
-                   help="whose speculative decoding is measured (default: eval.engine): ours, vllm (the head exported "
-                        "in vLLM's format and served by vLLM; plain and each k in an engine of their own), or both")
     p.add_argument("--out", default=None, help="report directory (default: <run_dir>/eval)")
     p.add_argument("--run-dir", default=None, help="log the results into this run's metrics.jsonl / W&B")
     p.add_argument("--no-prompt-lookup", action="store_true",
@@ -38,42 +33,30 @@ def register(subparsers) -> None:
     p.add_argument("--tree", nargs="+", default=None, metavar="DxKxN[+lookup]",
                    help="also draft trees with the head, one method per shape DEPTHxTOPKxNODES (e.g. 4x2x8; "
                         "+lookup: a hybrid tree with the prompt-lookup branch), beside the chain at each k")
-    p.add_argument("--tp", type=int, default=None, metavar="N",
-                   help="tensor parallelism (sets target.tensor_parallel): run under `torchrun --nproc_per_node=N`; "
-                        "the target is split over the N ranks, every rank runs the same decoding loop with its own "
-                        "copy of the draft, rank 0 writes the report")
     p.set_defaults(func=run_eval_command)
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
     from mtp_train.errors import UserError
-    from mtp_train.recipe import MAX_EVAL_BATCH, recipe_from_args
 
     if args.tree:
         from mtp_train.runtime.spec.tree import parse_tree_method
 
         for spec in args.tree:
             parse_tree_method(spec)  # a bad shape is refused before the recipe and the models load
-    if args.tp is not None:
-        args.overrides = [*args.overrides, f"target.tensor_parallel={args.tp}"]
     recipe = recipe_from_args(args)
     run_dir = recipe.run_dir
     head_dir = args.head or (None if args.draft else str(run_dir / "head"))
     if head_dir and not Path(head_dir).is_dir():
         raise UserError(f"{head_dir}: head directory not found (train first, or pass --head DIR / --draft DIR)")
-    ks = args.num_speculative_tokens or list(recipe.eval.num_speculative_tokens)
-    bad = [k for k in ks if not 1 <= k <= 8]
-    if bad:
-        raise UserError(f"--num-speculative-tokens: {bad} out of range; expected 1..8")
-    batch_sizes = args.batch_size or list(recipe.eval.batch_sizes)
-    if any(not 1 <= b <= MAX_EVAL_BATCH for b in batch_sizes) or len(set(batch_sizes)) != len(batch_sizes):
-        raise UserError(f"--batch-size: expected distinct sizes in 1..{MAX_EVAL_BATCH}, got {batch_sizes}")
-    engine = args.engine or recipe.eval.engine
+    ks = list(recipe.eval.num_speculative_tokens)
+    batch_sizes = list(recipe.eval.batch_sizes)
+    engine = recipe.eval.engine
     if engine != "ours" and not head_dir:
         raise UserError("--engine vllm/both measures a head (vLLM serves a draft model otherwise); use --head")
-    prompts_path = args.prompts or recipe.eval.prompts
-    limit = args.limit if args.limit is not None else recipe.eval.limit
-    max_new_tokens = args.max_new_tokens or recipe.eval.max_new_tokens
+    prompts_path = recipe.eval.prompts
+    limit = recipe.eval.limit
+    max_new_tokens = recipe.eval.max_new_tokens
     out_dir = Path(args.out) if args.out else run_dir / "eval"
     report = None
     if engine in ("ours", "both"):
@@ -120,7 +103,7 @@ def _evaluate_in_vllm(recipe, head_dir: str, prompts_path, limit, ks, max_new_to
     if recipe.precompute.vllm.max_model_len is None:
         del spread["max_model_len"]
     section = evaluate_in_vllm(head_dir, recipe.target.path, prompts, stops, list(ks), max_new_tokens,
-                               out_dir / "vllm", dtype=recipe.target.dtype, python=recipe.precompute.vllm.python,
+                               out_dir / "vllm", dtype=recipe.precision.compute, python=recipe.precompute.vllm.python,
                                engine_args=spread)
     section["prompt_source"] = prompt_set.source + (" (first turns)" if prompts_path else "")
     report_path, markdown_path = out_dir / "report.json", out_dir / "report.md"
@@ -180,7 +163,7 @@ def _run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_ne
     from mtp_train.evaluate.evaluation import evaluate
     from mtp_train.export.load import load_draft
     from mtp_train.runtime.loader import load_tokenizer, resolve_device
-    from mtp_train.runtime.precision import resolve_precision
+    from mtp_train.runtime.precision import resolve_section
     from mtp_train.runtime.tensor_parallel import (
         ParallelLayout,
         describe,
@@ -200,8 +183,7 @@ def _run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_ne
         import torch
 
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
-    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device,
-                                  kv_cache_dtype=recipe.target.kv_cache_dtype) if layout.is_leader else None
+    precision = resolve_section(recipe.precision, device) if layout.is_leader else None
     precision = group.broadcast_object(precision)  # one decode path on every rank: the same logits, the same tokens
     if layout.is_leader:
         print(f"eval: {precision.describe()}", flush=True)
@@ -210,7 +192,7 @@ def _run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_ne
         print(f"eval: {describe(layout, target.config)}", flush=True)
     tokenizer = load_tokenizer(recipe.target.path)
     draft = load_draft(target, tokenizer, precision, head=head_dir, draft_model=draft_dir,
-                       head_decode_dtype=recipe.eval.head_decode_dtype)
+                       head_decode_dtype=recipe.precision.head_decode)
     if head_dir:
         method, kind, draft_path = draft.kind, f"head ({draft.kind})", head_dir
     else:

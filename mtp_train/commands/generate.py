@@ -15,6 +15,11 @@ import json
 import math
 import sys
 
+from mtp_train.cli_options import add_recipe_options, defaults_from_args
+
+# The recipe's precision keys `generate` takes as options (it reads no recipe: the schema's defaults, then these).
+PRECISION_OPTIONS = ("precision.compute", "precision.decode", "precision.kv_cache", "precision.head_decode")
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -36,13 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype (auto: the fastest this device has; `mtp-train env` shows the choice)")
-    p.add_argument("--decode-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
-                   help="weights of the few-row decode/verify matmuls (auto: --dtype when set, else timed)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="the paged K/V cache (auto: bfloat16 when the decode weights are bf16 or int8, else the "
-                   "compute dtype)")
+    add_recipe_options(p, PRECISION_OPTIONS)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     draft = p.add_mutually_exclusive_group()
@@ -53,9 +52,6 @@ def register(subparsers) -> None:
                        help="decode speculatively with this smaller model (same tokenizer)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
                    help="draft tokens per step with --head/--draft (1..8, default 3)")
-    p.add_argument("--head-decode-dtype", default="auto", choices=["auto", "target", "int8"],
-                   help="weights the --head's draft steps read (auto: int8 where the CPU decode kernels serve it, "
-                   "else the target's decode weights; the output is the target's either way)")
     p.set_defaults(func=run_generate)
 
 
@@ -131,17 +127,18 @@ def run_generate(args: argparse.Namespace) -> int:
     from mtp_train.runtime.chat import encode_chat, stop_token_ids
     from mtp_train.runtime.generate import generate
     from mtp_train.runtime.loader import load_model, load_tokenizer, resolve_device
-    from mtp_train.runtime.precision import resolve_precision
+    from mtp_train.runtime.precision import resolve_section
     from mtp_train.runtime.sampler import SamplingParams
 
     check_generate_args(args)
+    section = defaults_from_args(args).precision
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     except ValueError as err:
         raise UserError(str(err)) from None
     target = args.target or _default_target()
     device = resolve_device(args.device)
-    precision = resolve_precision(args.dtype, args.decode_dtype, device, kv_cache_dtype=args.kv_cache_dtype)
+    precision = resolve_section(section, device)
     if not args.json:
         print(f"[{precision.describe()}]", file=sys.stderr)
     model = load_model(target, device=device, precision=precision)
@@ -156,7 +153,7 @@ def run_generate(args: argparse.Namespace) -> int:
         from mtp_train.export.load import load_draft
 
         draft = load_draft(model, tokenizer, precision, head=args.head, draft_model=args.draft,
-                           head_decode_dtype=args.head_decode_dtype)
+                           head_decode_dtype=section.head_decode)
 
     def decode(batch_ids: list[list[int]], on_tokens):
         options = dict(stop_token_ids=stops, seed=args.seed, on_tokens=on_tokens)

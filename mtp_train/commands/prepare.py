@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mtp_train.recipe import add_recipe_args
+from mtp_train.cli_options import add_recipe_args, recipe_from_args
 
 
 def _positive_int(text: str) -> int:
@@ -45,11 +45,7 @@ def _print_summary(result) -> None:
 def run_prepare(args: argparse.Namespace) -> int:
     """The `prepare` subcommand."""
     from mtp_train.data.prepare import prepare_dataset
-    from mtp_train.recipe import recipe_from_args
-
     recipe = recipe_from_args(args)
-    if args.regenerate:
-        recipe.data.regenerate.enabled = True
     result = prepare_dataset(recipe, strict=args.strict, row_limit=args.limit, force=args.force)
     _print_summary(result)
     return 0
@@ -63,12 +59,8 @@ def register(subparsers: Any) -> None:
         description="Read the recipe's conversation sources, render them with the target's chat template, mask "
         "everything but the assistant replies, and save train/eval HF datasets with stats and fingerprints.",
     )
-    add_recipe_args(parser)
+    add_recipe_args(parser, ["data.regenerate.enabled"], {"data.regenerate.enabled": "--regenerate"})
     parser.add_argument("--strict", action="store_true", help="fail on the first malformed row instead of skipping it")
     parser.add_argument("--limit", type=_positive_int, metavar="N", help="read at most N rows over all sources")
-    parser.add_argument(
-        "--regenerate", action="store_true",
-        help="replace assistant turns by the target's own replies (self-distillation)",
-    )
     parser.add_argument("--force", action="store_true", help="rebuild even if the output is up to date")
     parser.set_defaults(func=run_prepare)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from mtp_train.cli_options import add_recipe_args, recipe_from_args
+
 
 def register(subparsers) -> None:
-    from mtp_train.recipe import add_recipe_args
-
     p = subparsers.add_parser(
         "train",
         help="train a draft head on the feature cache (DeepSpeed; torchrun-able)",
@@ -13,7 +13,7 @@ def register(subparsers) -> None:
         "`torchrun --nproc_per_node=N -m mtp_train train ...` (multi-node: --nnodes/--rdzv-endpoint). Resumes "
         "automatically from the run dir's latest checkpoint.",
     )
-    add_recipe_args(p)
+    add_recipe_args(p, ["precision.compute"])
     p.add_argument("--resume", default="auto",
                    help="auto (latest checkpoint in the run dir, if any; default), never, or a checkpoint dir")
     p.add_argument("--force", action="store_true", help="resume even though the recipe changed")
@@ -21,7 +21,6 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from mtp_train.recipe import recipe_from_args
     from mtp_train.train.trainer import run_training
 
     run_training(recipe_from_args(args), resume=args.resume, force=args.force)

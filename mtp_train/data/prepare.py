@@ -140,12 +140,12 @@ def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
     from mtp_train.runtime.chat import encode_chat, stop_token_ids
     from mtp_train.runtime.generate import generate
     from mtp_train.runtime.loader import load_model, resolve_device
-    from mtp_train.runtime.precision import resolve_precision
+    from mtp_train.runtime.precision import resolve_section
     from mtp_train.runtime.sampler import SamplingParams
 
     settings = recipe.data.regenerate
     device = resolve_device(recipe.target.device)
-    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device)
+    precision = resolve_section(recipe.precision, device)
     print(f"prepare --regenerate: {precision.describe()}", flush=True)
     model = load_model(recipe.target.path, device=device, precision=precision)
     tokenizer = load_chat_tokenizer(recipe.target.path, recipe.data.chat_template)
@@ -292,9 +292,11 @@ class _SamplePipeline:
 
 
 def _inputs_fingerprint(recipe: Recipe, tokenizer_digest: str, row_limit: int | None) -> dict[str, Any]:
-    """Everything the prepared data depends on; equal inputs → the existing output is reused."""
+    """Everything the prepared data depends on; equal inputs → the existing output is reused. With
+    `data.regenerate` the replies are the target's, computed in the recipe's `precision` (compute, decode, K/V
+    cache): those keys too."""
     sources = [{"path": source.path, "sha256": path_content_hash(source.path)} for source in recipe.data.sources]
-    return {
+    fingerprint = {
         "format_version": PREPARED_FORMAT_VERSION,
         "code_version": mtp_train.__version__,
         "recipe_target_data_hash": recipe_hash(recipe, ["target", "data"]),
@@ -302,6 +304,9 @@ def _inputs_fingerprint(recipe: Recipe, tokenizer_digest: str, row_limit: int | 
         "sources": sources,
         "row_limit": row_limit,
     }
+    if recipe.data.regenerate.enabled:
+        fingerprint["regeneration_precision"] = recipe.precision.model_dump(include={"compute", "decode", "kv_cache"})
+    return fingerprint
 
 
 def prepare_dataset(
@@ -361,7 +366,7 @@ def _prepare_locked(recipe: Recipe, *, strict: bool, row_limit: int | None, forc
     if data.regenerate.enabled:
         generate_fn = generate_fn if generate_fn is not None else _runtime_generate_fn(recipe)
         # The progress file is tied to everything the replies depend on, so changed settings never reuse it.
-        settings = recipe_hash(recipe, ["target"]) + data.regenerate.model_dump_json() + tokenizer_digest
+        settings = recipe_hash(recipe, ["target", "precision"]) + data.regenerate.model_dump_json() + tokenizer_digest
         settings += data.system_prompt.model_dump_json()
         regeneration_progress = work_dir / f"regenerated-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.jsonl"
         stats.regeneration = RegenerationStats()

@@ -42,6 +42,7 @@ from mtp_train.fileio import (
     write_json_atomic,
     write_output_marker,
 )
+from mtp_train.runtime.precision import TORCH_DTYPES, resolve_section
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
@@ -90,12 +91,16 @@ def _target_argmax(weight: torch.Tensor, hidden: torch.Tensor, storage_dtype: st
 
 
 def _settings_hash(recipe) -> str:
-    """The hash of the precompute section; with the runtime backend without the backend's keys, so that caches
-    written before there was a choice of backend keep their fingerprint; with vLLM without where its interpreter
-    lives (its version is compared on its own)."""
+    """The hash of the settings the stored states depend on: the precompute section and the `precision` keys
+    precompute reads (under the names the cache's manifest gives them, storage_dtype and kv_dtype, so that a cache
+    keeps its fingerprint); with the runtime backend without the backend's keys, so that caches written before there
+    was a choice of backend keep their fingerprint; with vLLM without where its interpreter lives (its version is
+    compared on its own)."""
     from mtp_train.recipe import canonical_hash, recipe_to_dict
 
-    section = recipe_to_dict(recipe)["precompute"]
+    data = recipe_to_dict(recipe)
+    section = {**data["precompute"], "storage_dtype": data["precision"]["features"],
+               "kv_dtype": data["precision"]["kv_cache"]}
     if section["backend"] == "runtime":
         del section["backend"], section["vllm"]
     else:
@@ -116,8 +121,8 @@ def _header(recipe, prepared, target_fp: str, world_size: int, hidden_size: int)
         "target_path": str(recipe.target.path),
         "tokenizer_source": prepared.fingerprint.get("target_path"),
         "chat_template": recipe.data.chat_template,
-        "target_dtype": recipe.target.dtype,
-        "storage_dtype": recipe.precompute.storage_dtype,
+        "target_dtype": recipe.precision.compute,
+        "storage_dtype": recipe.precision.features,
         "hidden_size": hidden_size,
         "aux_layers": list(recipe.precompute.aux_layers),
         "target_argmax": recipe.precompute.target_argmax,
@@ -129,26 +134,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _feature_kv_dtype(name: str, target, device: torch.device, dist, rank: int) -> torch.dtype:
-    """`precompute.kv_dtype` resolved: the dtype of the K/V cache the stored states are computed as if over. The
-    stored hidden states train a head that is served over the target's paged K/V cache, whose rows are rounded once as
-    they are written (bf16 where decode reads bf16 or int8 weights: an fp32 model on an AVX2-only CPU); over unrounded
-    K/V the states differ by that rounding, and near-ties of the target's argmax resolve otherwise than in serving
-    (SmolLM2 on the demo's data: 0.17% of positions, docs/tuning.md session 15). `auto`: the cache `eval` decodes
-    over, from the precision eval resolves from the recipe's `target` section as written (decode timing included;
-    rank 0 resolves it, every rank takes its answer)."""
-    from mtp_train.runtime.precision import TORCH_DTYPES, resolve_precision
-
-    if name == "auto":
-        if rank == 0:
-            serving = resolve_precision(target.dtype, target.decode_dtype, device,
-                                        kv_cache_dtype=target.kv_cache_dtype)
-            name = serving.kv_cache_dtype or serving.dtype
-        if dist is not None:
-            box = [name]
-            dist.broadcast_object_list(box, src=0)
-            name = box[0]
-    return TORCH_DTYPES[name]
+def _resolve_features_precision(section, device: torch.device, dist, rank: int):
+    """The recipe's `precision` resolved once for precompute (by rank 0, every rank takes its answer): the compute
+    dtype of the prefills, and the K/V cache the stored states are computed as if over (`precision.kv_cache`). The
+    stored hidden states train a head that is served over the target's paged K/V cache, whose rows are rounded once
+    as they are written (bf16 where decode reads bf16 or int8 weights: an fp32 model on an AVX2-only CPU); over
+    unrounded K/V the states differ by that rounding, and near-ties of the target's argmax resolve otherwise than in
+    serving (docs/tuning.md session 15). `auto` is the cache `eval` decodes over (decode timing included)."""
+    precision = resolve_section(section, device, phases=("prefill", "kv_cache")) if rank == 0 else None
+    if dist is not None:
+        box = [precision]
+        dist.broadcast_object_list(box, src=0)
+        precision = box[0]
+    return precision
 
 
 def _check_token_ids(splits: dict[str, Any], vocab_size: int, prepared_dir: Path, target_path: str) -> None:
@@ -186,7 +184,7 @@ def _check_finite(hidden: torch.Tensor, aux, batch_lengths: list[int], batch_ind
     bad = [index for index, ok in zip(batch_indices, finite.split(batch_lengths)) if not bool(ok.all())]
     raise UserError(f"{prepared_dir / split}: the target's hidden states are NaN or infinite for sample(s) "
                     f"{', '.join(map(str, bad[:8]))}{' and more' if len(bad) > 8 else ''} (computed in {dtype}); "
-                    "nothing of that batch was stored. float16 overflows in large activations: use target.dtype "
+                    "nothing of that batch was stored. float16 overflows in large activations: use precision.compute "
                     "bfloat16 or float32; otherwise check the model's weights (`mtp-train generate` on one prompt)")
 
 
@@ -327,28 +325,22 @@ class _RuntimeTarget:
     def __init__(self, recipe, env: DistEnv, dist, layout, group):
         from mtp_train.recipe import with_precision
         from mtp_train.runtime.loader import resolve_device
-        from mtp_train.runtime.precision import resolve_precision
         from mtp_train.runtime.tensor_parallel import describe, load_model_tensor_parallel
 
         device = resolve_device(recipe.target.device)  # "cuda" without CUDA is an error, not a silent CPU run
         if device.type == "cuda":
             device = torch.device(f"cuda:{env.local_rank}")
-        precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
-        requested_target = recipe.target  # as the recipe sets it: `eval` resolves the served target's cache from these
-        self.recipe = with_precision(recipe, precision.dtype, precision.decode_dtype)
+        precision = _resolve_features_precision(recipe.precision, device, dist, env.rank)
+        self.recipe = with_precision(recipe, precision.recipe_values())
         if env.rank == 0:
-            print(f"precompute: {precision.describe('prefill')}", flush=True)
+            print(f"precompute: {precision.describe()}", flush=True)
         model = load_model_tensor_parallel(recipe.target.path, group, dtype=precision.dtype, device=device)
         if env.rank == 0 and layout.tensor_parallel > 1:
             print(f"precompute: {describe(layout, model.config)}", flush=True)
-        model.kv_cache_dtype = _feature_kv_dtype(recipe.precompute.kv_dtype, requested_target, device, dist, env.rank)
-        # Rounded where the cache is narrower than the compute dtype (a model whose cache keeps its own dtype,
-        # DeepSeek's latents, says so through `kv_cache_torch_dtype`: never rounded).
+        model.kv_cache_dtype = TORCH_DTYPES[precision.kv_cache_dtype or precision.dtype]
+        # Keys and values are rounded where the cache is narrower than the compute dtype (a model whose cache keeps
+        # its own dtype, DeepSeek's latents, says so through `kv_cache_torch_dtype`: never rounded).
         self.kv_round = model.kv_cache_torch_dtype if model.kv_cache_torch_dtype != model.dtype else None
-        if env.rank == 0 and self.kv_round is not None:
-            print(f"precompute: keys and values rounded to {_dtype_name(self.kv_round)} before attention, as the K/V "
-                  f"cache the target decodes over holds them (precompute.kv_dtype: {recipe.precompute.kv_dtype})",
-                  flush=True)
         self.model, self.device, self.layout = model, device, layout
         self.dtype = precision.dtype
         self.kv_dtype = _dtype_name(self.kv_round or model.dtype)  # the K/V the stored states attended over
@@ -390,9 +382,10 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
         raise UserError("precompute.backend vllm spreads the target with vLLM's own parallelism "
                         "(precompute.vllm.tensor_parallel_size, pipeline_parallel_size), not target.tensor_parallel: "
                         "leave it at 1 (torchrun ranks are data parallelism: one engine each)")
-    if pre.backend == "vllm" and pre.kv_dtype != "auto":
-        raise UserError(f"precompute.kv_dtype {pre.kv_dtype} is the runtime backend's; vLLM's K/V cache dtype is "
-                        "precompute.vllm.kv_cache_dtype")
+    if pre.backend == "vllm" and recipe.precision.kv_cache != "auto":
+        raise UserError(f"precision.kv_cache {recipe.precision.kv_cache} is the runtime's K/V cache; with "
+                        "precompute.backend vllm the stored states attend over vLLM's cache "
+                        "(precompute.vllm.kv_cache_dtype): leave precision.kv_cache auto for precompute")
     layout = ParallelLayout(env.rank, env.world_size, recipe.target.tensor_parallel)
     group = init_tensor_parallel(layout)
     # Shards, progress files and heartbeats belong to data-parallel groups: `writer` numbers them (== env without TP).
@@ -441,7 +434,7 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
             raise
         print(f"precompute: vLLM {info['vllm']} on {info['device']}, computing in {info['dtype']}, K/V cache "
               f"{target.kv_dtype}", flush=True)
-        recipe = with_precision(recipe, info["dtype"], recipe.target.decode_dtype)
+        recipe = with_precision(recipe, {"compute": info["dtype"]})
     else:
         target = _RuntimeTarget(recipe, env, dist, layout, group)
         recipe = target.recipe
@@ -464,8 +457,8 @@ def _vllm_cache_is_complete(recipe, prepared, config, root: Path, world_size: in
     from mtp_train.recipe import with_precision
 
     manifest = load_manifest(root)
-    dtype = manifest.get("target_dtype") if recipe.target.dtype == "auto" else recipe.target.dtype
-    header = _header(with_precision(recipe, dtype, recipe.target.decode_dtype), prepared,
+    dtype = manifest.get("target_dtype") if recipe.precision.compute == "auto" else recipe.precision.compute
+    header = _header(with_precision(recipe, {"compute": dtype}), prepared,
                      target_fingerprint(recipe.target.path), world_size, config.hidden_size)
     header.update(backend="vllm", vllm_version=manifest.get("vllm_version"), kv_dtype=manifest.get("kv_dtype"))
     _compare_headers(manifest, header, root / MANIFEST_FILENAME)
@@ -551,7 +544,7 @@ def _compute(recipe, target, env: DistEnv, dist, layout, group, writer: DistEnv,
                               target.dtype)
                 hidden_rows = hidden.cpu().split(batch_lengths)
                 argmax_rows = (
-                    _target_argmax(target.lm_head_weight, hidden, pre.storage_dtype).cpu().split(batch_lengths)
+                    _target_argmax(target.lm_head_weight, hidden, recipe.precision.features).cpu().split(batch_lengths)
                     if pre.target_argmax
                     else [None] * len(ids)
                 )
@@ -569,7 +562,7 @@ def _compute(recipe, target, env: DistEnv, dist, layout, group, writer: DistEnv,
             if not layout.is_leader:
                 continue
             name = shard_name(split, writer.rank, index)
-            record = write_shard(root / name, samples, pre.storage_dtype)
+            record = write_shard(root / name, samples, recipe.precision.features)
             done[name] = {"name": name, "split": split, "rank": writer.rank, "index": index, **record}
             write_json_atomic(my_progress, {"header": header, "shards": done})
     finally:

@@ -37,7 +37,7 @@ def engine_args(section, max_sample_len: int) -> dict[str, Any]:
                                                                 "kv_transfer_config", "skip_tokenizer_init"}))
     if overlap:
         raise UserError(f"precompute.vllm.engine_args: {', '.join(overlap)} set here; use the key of its own "
-                        "(precompute.vllm.<key>, target.dtype) or leave it to precompute")
+                        "(precompute.vllm.<key>, precision.compute) or leave it to precompute")
     if "data_parallel_size" in section.engine_args:
         raise UserError("precompute.vllm.engine_args: data_parallel_size set here; data parallelism is torchrun's "
                         "ranks, one engine each over its own tensor_parallel_size x pipeline_parallel_size GPUs "
@@ -59,7 +59,7 @@ class VllmTarget:
         self.aux_layers = tuple(recipe.precompute.aux_layers)
         num_layers = config.num_hidden_layers
         self.layer_ids = list(dict.fromkeys([num_layers, *(j + 1 for j in self.aux_layers)]))
-        self.capture = VllmCapture(recipe.target.path, VLLM_DTYPES[recipe.target.dtype], self.layer_ids, work_dir,
+        self.capture = VllmCapture(recipe.target.path, VLLM_DTYPES[recipe.precision.compute], self.layer_ids, work_dir,
                                    engine_args(recipe.precompute.vllm, max_sample_len), recipe.precompute.vllm.python,
                                    devices)
         on_gpu = recipe.target.device != "cpu" and torch.cuda.is_available()

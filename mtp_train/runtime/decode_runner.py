@@ -312,7 +312,7 @@ def head_runner(head: nn.Module, precision: Precision, head_decode_dtype: str = 
     where the kernels do not serve the head (no kernels, CUDA, a bf16/fp16 model). `auto`: int8 where the kernels
     serve the head, else `target`."""
     if head_decode_dtype not in HEAD_DECODE_DTYPES:
-        raise UserError(f"eval.head_decode_dtype: {head_decode_dtype!r}; expected one of "
+        raise UserError(f"precision.head_decode: {head_decode_dtype!r}; expected one of "
                         f"{', '.join(HEAD_DECODE_DTYPES)}")
     weight = next(head.parameters())
     kernels_serve = weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels() is not None
@@ -320,7 +320,7 @@ def head_runner(head: nn.Module, precision: Precision, head_decode_dtype: str = 
         why = (f"the CPU decode kernels are unavailable ({unavailable_reason()})" if cpu_kernels() is None
                else f"the head's weights are {weight.dtype} on {weight.device.type} (the kernels serve fp32 models on "
                "the CPU)")
-        raise UserError(f"eval.head_decode_dtype: int8 runs through the CPU decode kernels, and {why}; use target")
+        raise UserError(f"precision.head_decode: int8 runs through the CPU decode kernels, and {why}; use target")
     if head_decode_dtype == "target" or not kernels_serve:
         dtype, rows = _decode_settings(precision)
         name = precision.decode_dtype if precision.split else precision.dtype

@@ -6,6 +6,10 @@ the runtime then decodes through the plain torch path, with a warning saying why
 (`avx512bf16`, `avx512`, `avx2`, `generic`); `MTP_TRAIN_CPU_KERNELS=<variant>` forces one (e.g. `avx2` on an AVX-512
 machine, to measure what an AVX2-only CPU runs). In the `avx512bf16` build bf16 decode weights meet bf16-rounded
 activations in `vdpbf16ps` (fp32 accumulation); `MTP_TRAIN_CPU_BF16_ACTIVATIONS=0` keeps them fp32.
+
+Both variables are developer switches, for benchmarks and for the tests of the builds a machine does not pick by
+itself, not recipe keys: they choose which build of the same decode path runs on one machine (its instruction set),
+not a precision a run declares; the dtypes a run decodes in are the recipe's `precision` section.
 """
 
 from __future__ import annotations

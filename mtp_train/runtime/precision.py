@@ -1,4 +1,5 @@
-"""Which dtype each phase computes in: `target.dtype: auto` resolved by the hardware.
+"""Which dtype each phase computes in: the recipe's `precision` section (`compute`, `decode`, `kv_cache`) with its
+`auto` values resolved by the hardware, once per stage.
 
 Two phases meet the weights differently:
 - **prefill** (precompute, training, prompt prefill): many rows per weight, compute-bound. It runs in `dtype`, which is
@@ -23,7 +24,9 @@ Two phases meet the weights differently:
   (`~/.cache/mtp_train/precision-probe.json`), so repeated runs make the same choice (`mtp-train env --reprobe`
   measures again).
 
-An explicit `dtype` is honoured for both phases unless `decode_dtype` is set explicitly too.
+An explicit `compute` dtype is honoured for both phases unless `decode` is set explicitly too. The K/V cache
+(`kv_cache`) follows the decode weights (`resolve_kv_cache_dtype`); precompute, which never decodes, resolves the
+decode weights only to learn which cache the served target holds (phase "kv_cache").
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class Precision:
     reason: str
     requested: str = "auto"
     kv_cache_dtype: str = ""  # the target's paged K/V cache ("" = `dtype`); see `resolve_kv_cache_dtype`
+    phases: tuple[str, ...] = ("prefill", "decode")  # what the stage resolved it for (see `resolve_precision`)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -82,14 +86,27 @@ class Precision:
         return self.decode_dtype != self.dtype and self.decode_max_rows > 0
 
     def describe(self, phase: str | None = None) -> str:
-        """One line for a stage's first output, e.g. `compute dtype float32 (auto: ...)`."""
-        if phase == "prefill" or not self.split:
+        """One line for a stage's first output, e.g. `compute dtype float32 (auto: ...)`: what the stage resolved
+        (`phases`; `phase="prefill"` shows the compute dtype only)."""
+        phases = ("prefill",) if phase == "prefill" else self.phases
+        if "decode" not in phases or not self.split:
             what = f"compute dtype {self.dtype}"
         else:
             what = f"compute dtype {self.dtype}, decode weights {self.decode_dtype} (≤ {self.decode_max_rows} rows)"
-        if phase != "prefill" and self.kv_cache_dtype and self.kv_cache_dtype != self.dtype:
+        if ({"decode", "kv_cache"} & set(phases)) and self.kv_cache_dtype and self.kv_cache_dtype != self.dtype:
             what += f", K/V cache {self.kv_cache_dtype}"
         return f"{what} ({self.requested}: {self.reason})" if self.requested == "auto" else f"{what} (as set)"
+
+    def recipe_values(self) -> dict[str, str]:
+        """The recipe's `precision` keys this resolution decided (`auto` replaced): `compute` always; `decode` where
+        the stage decodes; `kv_cache` where it decodes or rounds to the cache (precompute). For recipe.resolved.yaml
+        (`recipe.with_precision`)."""
+        values = {"compute": self.dtype}
+        if "decode" in self.phases:
+            values["decode"] = self.decode_dtype
+        if {"decode", "kv_cache"} & set(self.phases):
+            values["kv_cache"] = self.kv_cache_dtype or self.dtype
+        return values
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -211,6 +228,9 @@ def decode_rows_for_kernels(timing: dict[int, dict[str, float]], margin: float =
 # ---------------------------------------------------------------------------------------------------------------
 
 
+PHASES = ("prefill", "decode", "kv_cache")
+
+
 def resolve_precision(
     dtype: str = "auto",
     decode_dtype: str = "auto",
@@ -223,13 +243,32 @@ def resolve_precision(
     prefill_timer=None,
     kv_cache_dtype: str = "auto",
 ) -> Precision:
-    """Resolve the recipe's `target.dtype` / `target.decode_dtype` / `target.kv_cache_dtype` for `device`. `phases`
-    names what the stage runs: a stage that never decodes (precompute, training) skips the decode timing."""
+    """Resolve the recipe's `precision.compute` (`dtype`) / `precision.decode` (`decode_dtype`) /
+    `precision.kv_cache` (`kv_cache_dtype`) for `device`. `phases` names what the stage runs: "prefill" (many-row
+    forwards), "decode" (decode, verify, draft steps), "kv_cache" (no decode, but the K/V cache the served target
+    decodes over: precompute rounds its keys and values to it, so `auto` resolves the decode weights as a decoding
+    stage would, timing included). A stage that never decodes (training) skips the decode timing."""
+    unknown = [phase for phase in phases if phase not in PHASES]
+    if unknown:
+        raise ValueError(f"unknown phase(s) {unknown}; expected some of {PHASES}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise UserError(f"target.kv_cache_dtype: {kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
-    precision = _resolve_weights(dtype, decode_dtype, device, facts, cuda_bf16, phases, reprobe, decode_timer,
+        raise UserError(f"precision.kv_cache: {kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
+    weights = ("prefill", "decode") if "decode" in phases else ("prefill",)
+    precision = _resolve_weights(dtype, decode_dtype, device, facts, cuda_bf16, weights, reprobe, decode_timer,
                                  prefill_timer)
-    return replace(precision, kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype, precision))
+    served = precision
+    if "kv_cache" in phases and "decode" not in phases and kv_cache_dtype == "auto":
+        served = _resolve_weights(dtype, decode_dtype, device, facts, cuda_bf16, ("prefill", "decode"), reprobe,
+                                  decode_timer, prefill_timer)
+    return replace(precision, kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype, served), phases=tuple(phases))
+
+
+def resolve_section(section, device: str | torch.device, phases: tuple[str, ...] = ("prefill", "decode"),
+                    **options) -> Precision:
+    """`resolve_precision` of a recipe's `precision` section (its `compute`, `decode` and `kv_cache`); `options`
+    as resolve_precision's (reprobe, timers, facts)."""
+    return resolve_precision(section.compute, section.decode, device, phases=phases,
+                             kv_cache_dtype=section.kv_cache, **options)
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
@@ -238,9 +277,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 def resolve_kv_cache_dtype(requested: str, precision: Precision) -> str:
     """The target's K/V cache dtype: as set, or (`auto`) bf16 where decode already reads bf16 or int8 weights (or the
     model is bf16: the cache then keeps the model's dtype), else the compute dtype. The cache is what a decode step
-    reads besides the weights: at 4k tokens SmolLM2's fp32 K/V is 189 MB a step against 265 MB of bf16 weights, and
-    a bf16 cache halves it (its rounding is that of a bf16 model's cache; decode and verify read the same cache, so
-    greedy speculative output stays identical to plain greedy). Measured in docs/tuning.md."""
+    reads besides the weights, and at long context it rivals them, so a bf16 cache halves a large part of a step's
+    bytes (its rounding is that of a bf16 model's cache; decode and verify read the same cache, so greedy speculative
+    output stays identical to plain greedy). Measured in docs/tuning.md."""
     if requested != "auto":
         return requested
     if precision.dtype == "bfloat16" or precision.decode_dtype in ("bfloat16", "int8"):
@@ -250,8 +289,8 @@ def resolve_kv_cache_dtype(requested: str, precision: Precision) -> str:
 
 def _resolve_weights(dtype, decode_dtype, device, facts, cuda_bf16, phases, reprobe, decode_timer,
                      prefill_timer) -> Precision:
-    for name, value, allowed in (("target.dtype", dtype, DTYPE_NAMES),
-                                 ("target.decode_dtype", decode_dtype, DTYPE_NAMES + tuple(DECODE_ONLY_DTYPES))):
+    for name, value, allowed in (("precision.compute", dtype, DTYPE_NAMES),
+                                 ("precision.decode", decode_dtype, DTYPE_NAMES + tuple(DECODE_ONLY_DTYPES))):
         if value != "auto" and value not in allowed:
             raise UserError(f"{name}: {value!r} is not a dtype; expected auto, {', '.join(allowed)}")
     device = torch.device(device) if isinstance(device, str) else device
@@ -306,18 +345,18 @@ def _resolve_weights(dtype, decode_dtype, device, facts, cuda_bf16, phases, repr
 
 
 def _int8_decode(dtype: str, decode_dtype: str, device: torch.device) -> Precision:
-    """`target.decode_dtype: int8`: an fp32 model (what the CPU decode kernels read) whose decode and verify matmuls
+    """`precision.decode: int8`: an fp32 model (what the CPU decode kernels read) whose decode and verify matmuls
     read row-quantized int8 copies of the weights; prefills, precompute and training keep fp32."""
     from mtp_train.runtime.kernels import cpu_kernels, unavailable_reason
 
     if device.type != "cpu":
-        raise UserError(f"target.decode_dtype: {decode_dtype} runs through the CPU decode kernels; on {device.type} "
+        raise UserError(f"precision.decode: {decode_dtype} runs through the CPU decode kernels; on {device.type} "
                         "use bfloat16 or float16")
     if dtype not in ("auto", "float32"):
-        raise UserError(f"target.decode_dtype: {decode_dtype} needs target.dtype float32 or auto (the CPU decode "
+        raise UserError(f"precision.decode: {decode_dtype} needs precision.compute float32 or auto (the CPU decode "
                         f"kernels read an fp32 model), not {dtype}")
     if cpu_kernels() is None:
-        raise UserError(f"target.decode_dtype: {decode_dtype} runs through the CPU decode kernels, which are "
+        raise UserError(f"precision.decode: {decode_dtype} runs through the CPU decode kernels, which are "
                         f"unavailable here ({unavailable_reason()})")
     return Precision("float32", decode_dtype, max(PROBE_ROWS), "set in the recipe: weight-only int8 decode weights "
                      "(a scale per row) through the CPU decode kernels, fp32 model", requested=dtype)

@@ -54,8 +54,9 @@ log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = {
     "name", "target.path", "target.device", "data.output_dir", "precompute.output_dir", "train.run_dir",
     "train.max_steps", "train.epochs", "train.eval_every", "train.save_every", "train.keep_last",
+    "precision.head_decode",  # eval's: training never reads it
 }
-RESUME_CHECKED_SECTIONS = ("target", "precompute", "head", "train")
+RESUME_CHECKED_SECTIONS = ("target", "precision", "precompute", "head", "train")
 HEAD_STORAGE_DTYPE = torch.bfloat16
 
 
@@ -227,7 +228,7 @@ def setup(recipe) -> TrainingRun:
     from mtp_train.heads import head_class
     from mtp_train.recipe import with_precision
     from mtp_train.runtime.frozen_parts import load_frozen_parts
-    from mtp_train.runtime.precision import resolve_precision
+    from mtp_train.runtime.precision import resolve_section
 
     train = recipe.train
     use_cuda = torch.cuda.is_available() and recipe.target.device in ("auto", "cuda")
@@ -243,11 +244,14 @@ def setup(recipe) -> TrainingRun:
     if use_cuda:
         torch.cuda.set_device(device)
 
-    # Compute dtype: `auto` resolves to the fastest many-row dtype this device has (runtime/precision.py).
-    precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device, phases=("prefill",))
-    recipe = with_precision(recipe, precision.dtype, precision.decode_dtype)
+    # Compute dtype: `auto` resolves to the fastest many-row dtype this device has (runtime/precision.py), once: rank 0
+    # resolves it and every rank takes its answer (a timed choice cannot differ between ranks).
+    box = [resolve_section(recipe.precision, device, phases=("prefill",)) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    precision = box[0]
+    recipe = with_precision(recipe, precision.recipe_values())
     if rank == 0:
-        print(f"train: {precision.describe('prefill')}", flush=True)
+        print(f"train: {precision.describe()}", flush=True)
 
     # The target's frozen parts only (embed_tokens, lm_head; the last layer and final norm for init last_layer), read
     # from its safetensors without building the target: a rank holds 2·V·d target values, not the whole model.
