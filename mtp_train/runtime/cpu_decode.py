@@ -80,15 +80,14 @@ class ManyRowLinear:
     """One linear, or several concatenated along the outputs (q/k/v, gate/up), for forwards of more than
     `KERNEL_MAX_ROWS` rows of a frozen fp32 model on the CPU (decode and verify batches of many sequences): the fp32
     weight prepacked once for oneDNN's GEMM (`mkldnn._linear_pointwise`), on first use, so a batch-1 user never pays
-    its memory (one more fp32 copy of the weights it covers). Measured here (AVX2, 1 thread), oneDNN's prepacked GEMM
-    against MKL's sgemm on the module's weight: SmolLM2's lm_head 576 -> 49152 at 64 rows 171 vs 289 ms, one layer's
-    linears 12.1 vs 16.6 ms. Without oneDNN, `F.linear` on the concatenated weight.
+    its memory (one more fp32 copy of the weights it covers): oneDNN's prepacked GEMM beats MKL's sgemm on the
+    module's weight at these row counts (docs/tuning.md, "Figures behind the decode path's choices"). Without oneDNN,
+    `F.linear` on the concatenated weight.
 
     With `dtype` bf16 (the decode dtype) on a CPU with native bf16 matmul (avx512_bf16, amx_bf16), the GEMMs run on a
     bf16 copy with bf16 activations (fp32 accumulation, the result widened back to fp32): twice the fp32 rate there,
-    and a batched decode step at 32-64 rows is compute-bound. Measured on a Zen 4 (avx512_bf16), 2 threads, SmolLM2
-    decode step: batch 64 177.5 -> 125.9 ms (1.41x), batch 32 86.2 -> 54.8 ms (1.57x); logits within bf16 rounding of
-    fp32 (the numerics of a bf16 model)."""
+    and a batched decode step at 32-64 rows is compute-bound; logits within bf16 rounding of fp32 (the numerics of a
+    bf16 model)."""
 
     def __init__(self, linears: list[nn.Linear], dtype: torch.dtype = torch.float32):
         self.linears = linears
@@ -226,8 +225,7 @@ class DecoderLayerKernel:
     @property
     def bf16_prefill(self) -> bool:
         """Prefills run their linears as bf16 GEMMs (`ManyRowLinear` on bf16 copies): on a native-bf16 CPU with bf16
-        decode weights, twice the fp32 GEMM rate. Measured on a Zen 4 (2 threads, SmolLM2, the demo's 10 held-out
-        prompts of 33-177 tokens): see docs/tuning.md."""
+        decode weights, twice the fp32 GEMM rate (docs/tuning.md)."""
         return self.qkv_many.dtype == torch.bfloat16
 
     def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
@@ -317,8 +315,7 @@ class DecodeStack:
     """A model's whole list of decoder layers, every one with a `DecoderLayerKernel`, run by one kernel call
     (`decode_layers`) for the forwards every layer's kernel path would take (a few rows, a few per sequence, the tree
     mask expressible): the same seven kernel calls per layer, made from C++, so its rows are bit-identical to the
-    per-layer path, without ~7 op dispatches and the Python around them per layer. Measured on a Zen 4 (2 threads,
-    SmolLM2, 30 layers): see docs/tuning.md. Not built under tensor parallelism (the layers' partial sums are
+    per-layer path, without ~7 op dispatches and the Python around them per layer (docs/tuning.md). Not built under tensor parallelism (the layers' partial sums are
     all-reduced from Python) or when the layers' head layout differs."""
 
     def __init__(self, kernels: list[DecoderLayerKernel]):

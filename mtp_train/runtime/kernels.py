@@ -78,7 +78,7 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join(candidates + [os.environ.get("PATH", "")])
 
 
-# A build of the kernels takes ~30 s (2-core Zen 4); torch's loader holds a `lock` file in the build directory
+# A build of the kernels takes tens of seconds; torch's loader holds a `lock` file in the build directory
 # meanwhile and every other loader waits for it to go, forever. A build killed midway (Ctrl-C during the first run,
 # a killed job) leaves it behind: a lock with nothing in its directory written for this long is taken for such a
 # leftover and removed.

@@ -12,12 +12,11 @@ Two phases meet the weights differently:
 - CUDA: bf16 where the GPU supports it, else fp32.
 - CPU with native bf16 matmul (AVX512-BF16 or AMX): bf16 for prefill. A stage that decodes times the decode path
   too: bf16 weights through the CPU decode kernels (fused layers, paged attention in place; they need an fp32 model)
-  against torch's native bf16 matmuls. Where the kernels win at 1 row (measured on a Zen 4, 2 cores: a SmolLM2 decode
-  step 2.9× faster), the weights are held in fp32 with bf16 decode copies up to the largest row count where they win,
+  against torch's native bf16 matmuls. Where the kernels win at 1 row, the weights are held in fp32 with bf16 decode copies up to the largest row count where they win,
   as on AVX2-only CPUs, and a prompt's prefill still runs bf16 GEMMs (on bf16 copies of the layers' weights,
   `cpu_decode.DecoderLayerKernel.bf16_prefill`); otherwise bf16 everywhere.
 - Other CPUs (AVX2-only x86 and most laptops): the flags are conclusive for prefill when they are x86 without those
-  instructions: bf16 GEMMs fall back to slow kernels there (~6× slower than fp32 on a Zen 3), so fp32. Elsewhere (other
+  instructions: bf16 GEMMs fall back to slow kernels there (several times slower than fp32), so fp32. Elsewhere (other
   architectures) a many-row matmul is timed in both dtypes. Decode is always timed: one weight set larger than the
   last-level cache is multiplied by 1..16 rows in fp32 and with bf16 weights; bf16 weights are used up to the largest
   row count where they stay faster. The timing is cached per machine, torch version and thread count
