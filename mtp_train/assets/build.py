@@ -9,6 +9,7 @@ file, and temporary directories left by killed runs are removed by the next run.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import time
@@ -55,11 +56,6 @@ def is_present(target: Path, marker: str) -> bool:
 @contextlib.contextmanager
 def _exclusive_lock(target: Path) -> Iterator[None]:
     """Serialize builds of `target` across processes with an flock on `.<name>.lock` next to it."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): builds are still atomic, only not serialized
-        yield
-        return
     lock_path = target.parent / f".{target.name}.lock"
     with open(lock_path, "a+") as lock:
         try:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from transformers import AutoTokenizer
+
 from mtp_train.data.conversations import Message, RowSkipped
 from mtp_train.errors import UserError
 
@@ -86,8 +88,6 @@ def load_chat_tokenizer(
     `chat_template_path` (the recipe's `data.chat_template`) replaces or supplies the template. A tokenizer without
     any template is a UserError that says how to supply one.
     """
-    from transformers import AutoTokenizer
-
     target_dir = Path(target_path)
     if not target_dir.is_dir():
         raise UserError(

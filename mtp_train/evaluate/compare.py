@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from mtp_train.errors import UserError
 from mtp_train.evaluate.report import label_axes, save_figure
 from mtp_train.fileio import atomic_write_text, read_json_object, write_json_atomic
@@ -100,8 +102,6 @@ def load_run(path: str | Path) -> Run:
 
     recipe_path = run_path / "recipe.resolved.yaml"
     if recipe_path.is_file():
-        import yaml
-
         try:
             recipe = yaml.safe_load(recipe_path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
@@ -389,7 +389,7 @@ def _plain(value: Any) -> Any:
 
 def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -> tuple[list[Path], list[str]]:
     """Returns (PNG paths written, notes about plots skipped)."""
-    import matplotlib
+    import matplotlib  # local, with the next two: matplotlib is slow to import and only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

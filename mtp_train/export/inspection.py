@@ -15,6 +15,7 @@ from mtp_train.export.common import (
 )
 from mtp_train.export.registry import FORMATS
 from mtp_train.fileio import file_sha256, read_json_object, recover_replaced_directory
+from mtp_train.heads.io import nonfinite_summary, read_safetensors
 
 # Heuristic detection order when the config does not name its format (native first: it may hold any names).
 _DETECT_ORDER = ("native", "eagle3", "vllm-mtp", "deepseek-mtp", "eagle")  # vllm-mtp: also num_nextn_predict_layers
@@ -88,8 +89,6 @@ def check_integrity(report: Report) -> None:
     """Fill `report.checksum` and `report.integrity`: each file listed in config.json's mtp_train.checksums must
     still have its recorded sha256 (an export without that record is noted, not refused: written before exports
     carried checksums, or not by mtp-train), and no floating-point tensor of model.safetensors may hold NaN/Inf."""
-    from mtp_train.heads.io import nonfinite_summary, read_safetensors
-
     directory = report.directory
     block = report.config.get(BLOCK_KEY)
     recorded = block.get(CHECKSUMS_KEY) if isinstance(block, dict) else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from mtp_train.errors import UserError
 from mtp_train.features.checks import is_shard_name, shard_header, shard_problems, split_problems
@@ -143,7 +144,6 @@ class FeatureReader:
     def _open(self, shard_id: int):
         if shard_id in self._handles:
             return self._handles[shard_id]
-        from safetensors import safe_open
 
         record = self.records[shard_id]
         path = self.root / record["name"]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from mtp_train.errors import UserError
 from mtp_train.fileio import atomic_write_bytes, file_sha256, json_bytes, safetensors_bytes
@@ -112,8 +113,6 @@ def check_head_state(
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, as stored; UserError when it is missing or unreadable."""
-    from safetensors import safe_open
-
     if not path.is_file():
         raise UserError(f"{path}: not found")
     try:

@@ -25,10 +25,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.fileio import OutputLock
+from mtp_train.fileio import OutputLock, atomic_write_text
 
 RUN_ID_FILENAME = "run_id"
 PREVIOUS_RUNS_DIRNAME = "previous-runs"
@@ -51,8 +52,7 @@ def _allowed_globals() -> list:
     and bf16 checkpoints and listing `torch.serialization.get_unsafe_globals_in_checkpoint`): DeepSpeed's loss scaler,
     ZeRO stage enum and tensor-fragment addresses, and numpy's array reconstruction for the numpy RNG state in our
     client state. Each is a plain data holder (no code runs when it is rebuilt)."""
-    import numpy as np
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler  # local: DeepSpeed takes seconds
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
@@ -96,7 +96,7 @@ def safe_torch_load(path: str | os.PathLike[str], map_location=None):
 
 def install_safe_loading(engine) -> None:
     """Make the DeepSpeed engine read its checkpoints through `safe_torch_load` (saving is unchanged)."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # local: slow
 
     class SafeTorchCheckpointEngine(TorchCheckpointEngine):
         """DeepSpeed's torch checkpoint engine, loading with weights_only=True."""
@@ -204,8 +204,6 @@ def start_new_run(run_dir: Path) -> tuple[str, Path | None]:
     """Move what a previous run left in `run_dir` (RUN_ARTIFACTS) into `previous-runs/<time>/` and write a new run
     id. Returns the id and the backup directory (None when there was nothing to move). Each move is a rename, so a
     kill in between leaves either the old file or its backup, never a mix that resumes."""
-    from mtp_train.fileio import atomic_write_text
-
     run_dir.mkdir(parents=True, exist_ok=True)
     present = [name for name in RUN_ARTIFACTS if (run_dir / name).exists()]
     backup = None
