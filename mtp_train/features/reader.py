@@ -67,9 +67,12 @@ class FeatureReader:
         if split not in self.manifest["splits"]:
             raise UserError(f"{self.root}: no split {split!r} (has {', '.join(self.manifest['splits'])})")
         data_tokenizer = self.manifest["fingerprints"]["tokenizer"]
+        if data_tokenizer is None:
+            raise UserError(f"{manifest_path}: fingerprints.tokenizer is null: a cache written by an older mtp-train "
+                            "(before caches recorded the tokenizer); run `mtp-train precompute` again")
         for key, value in (expected_fingerprints or {}).items():
             have = self.manifest["fingerprints"].get(key)
-            if value is None or have == value or (key == "tokenizer" and have is None):  # None: an older cache
+            if value is None or have == value:
                 continue
             if key == "tokenizer":
                 raise UserError(tokenizer_mismatch(manifest_path, have, self.manifest.get("tokenizer_source"),
@@ -78,7 +81,7 @@ class FeatureReader:
                 f"{manifest_path}: fingerprint '{key}' is {have}, expected {value} "
                 "(features were computed for another target/data; re-run precompute for this recipe)"
             )
-        if target_dir is not None and data_tokenizer is not None and "tokenizer" not in (expected_fingerprints or {}):
+        if target_dir is not None and "tokenizer" not in (expected_fingerprints or {}):
             target_tokenizer = tokenizer_fingerprint(target_dir, chat_template)
             if target_tokenizer != data_tokenizer:
                 raise UserError(tokenizer_mismatch(manifest_path, data_tokenizer,
