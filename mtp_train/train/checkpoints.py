@@ -137,7 +137,7 @@ def read_checkpoint(path: Path) -> CheckpointInfo | None:
         step = int(state["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    world_size = state.get("world_size", (state.get("reader") or {}).get("world_size"))
+    world_size = state.get("world_size")
     return CheckpointInfo(path, step, state.get("run_id"), None if world_size is None else int(world_size), state)
 
 
@@ -174,12 +174,19 @@ def check_readable(files: list[Path]) -> None:
             raise UnreadableCheckpoint(f"{path}: corrupted (record {bad} fails its CRC)")
 
 
+def check_recorded(checkpoint: CheckpointInfo) -> None:
+    """Refuse a checkpoint whose client state lacks what this trainer records (world_size, tokens): one written by
+    an older mtp-train."""
+    missing = [key for key in ("world_size", "tokens") if key not in checkpoint.state]
+    if missing:
+        raise UserError(f"{checkpoint.path / 'client_state.json'}: no {' or '.join(missing)}: a checkpoint written by "
+                        "an older mtp-train; start over with --resume never or another train.run_dir")
+
+
 def check_world_size(checkpoint: CheckpointInfo, world_size: int, zero_stage: int) -> None:
     """Refuse a checkpoint saved by another number of ranks, naming the number it needs."""
     saved = checkpoint.world_size
-    if saved is None and zero_stage > 0:
-        saved = len(list(checkpoint.path.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))) or None
-    if saved is not None and saved != world_size:
+    if saved != world_size:
         how = (f"ZeRO-{zero_stage} split its optimizer state into {saved} partitions, and " if zero_stage else "")
         raise UserError(f"{checkpoint.path}: saved by {saved} ranks, this run has {world_size}; {how}the data "
                         f"position is per rank. Resume with {saved} ranks in all (torchrun --nproc_per_node × "

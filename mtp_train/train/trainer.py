@@ -47,6 +47,7 @@ from mtp_train.train.checkpoints import (
     RunDirLock,
     UnreadableCheckpoint,
     check_readable,
+    check_recorded,
     check_world_size,
     disk_full_message,
     files_to_load,
@@ -59,7 +60,7 @@ from mtp_train.train.checkpoints import (
     start_new_run,
 )
 from mtp_train.train.losses import add_sums, metric_means, metric_sums, unrolled_losses
-from mtp_train.train.tracking import Tracker, read_metric_rows, truncate_metrics
+from mtp_train.train.tracking import Tracker, truncate_metrics
 from mtp_train.train.validation import first_step_inputs, validate
 
 log = logging.getLogger(__name__)
@@ -298,6 +299,7 @@ def _choose_checkpoint(run: TrainingRun, resume: str) -> CheckpointInfo | None:
         candidates = [named]
     zero_stage = run.recipe.train.zero_stage
     for candidate in candidates:
+        check_recorded(candidate)
         check_world_size(candidate, run.world_size, zero_stage)
         try:
             check_readable(files_to_load(candidate.path, run.rank, zero_stage))
@@ -319,13 +321,9 @@ def _choose_checkpoint(run: TrainingRun, resume: str) -> CheckpointInfo | None:
     return None
 
 
-def _tokens_before(checkpoint: CheckpointInfo, metrics_path: Path) -> int:
-    """Tokens trained on up to the checkpoint: its client state's count, or (checkpoints written before that count
-    existed) the sum over the metric rows up to its step."""
-    if "tokens" in checkpoint.state:
-        return int(checkpoint.state["tokens"])
-    rows = read_metric_rows(metrics_path)
-    return sum(int(r.get("tokens", 0)) for r in rows if r.get("step", 0) <= checkpoint.step)
+def _tokens_before(checkpoint: CheckpointInfo) -> int:
+    """Tokens trained on up to the checkpoint: its client state's count (`check_recorded` saw it there)."""
+    return int(checkpoint.state["tokens"])
 
 
 def trained_on(run: TrainingRun) -> dict[str, str]:
@@ -411,7 +409,7 @@ def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool =
         save_resolved(run.recipe, run.run_dir)
         if chosen is not None:
             truncate_metrics(run.run_dir / "metrics.jsonl", start_step)
-            run.tokens_before = _tokens_before(chosen, run.run_dir / "metrics.jsonl") if continues else 0
+            run.tokens_before = _tokens_before(chosen) if continues else 0
     dist.broadcast_object_list(run_id, src=0)
     run.run_id = run_id[0]
     dist.barrier()
