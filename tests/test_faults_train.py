@@ -196,7 +196,7 @@ def test_other_world_size_is_refused_naming_it(features, finished, tmp_path):
         _train(overrides, run_dir, "train.max_steps=6")
 
 
-@pytest.mark.parametrize("key", ["world_size", "tokens"])
+@pytest.mark.parametrize("key", ["run_id", "world_size", "tokens"])
 def test_checkpoint_of_an_older_mtp_train_is_refused(features, finished, tmp_path, key):
     """A client state without a key this trainer records: refused, naming the file and what to do (not guessed from
     the reader state, the ZeRO partitions or the metric rows)."""
@@ -207,6 +207,8 @@ def test_checkpoint_of_an_older_mtp_train_is_refused(features, finished, tmp_pat
     state = json.loads(client.read_text())
     del state[key]
     client.write_text(json.dumps(state))
+    if key == "run_id":  # a run dir of before run ids: no run_id file either, so every checkpoint is a candidate
+        (run_dir / "run_id").unlink()
     with pytest.raises(UserError, match=rf"step-4/client_state\.json: no {key}: a checkpoint written by an older "
                                         r"mtp-train; start over with --resume never"):
         _train(overrides, run_dir, "train.max_steps=6")

@@ -124,7 +124,7 @@ class CheckpointInfo:
 
     path: Path
     step: int
-    run_id: str | None  # None: written before run ids existed
+    run_id: str | None  # None: not recorded (an older mtp-train's; `check_recorded` refuses it)
     world_size: int | None
     state: dict
 
@@ -175,9 +175,9 @@ def check_readable(files: list[Path]) -> None:
 
 
 def check_recorded(checkpoint: CheckpointInfo) -> None:
-    """Refuse a checkpoint whose client state lacks what this trainer records (world_size, tokens): one written by
-    an older mtp-train."""
-    missing = [key for key in ("world_size", "tokens") if key not in checkpoint.state]
+    """Refuse a checkpoint whose client state lacks what this trainer records (run_id, world_size, tokens): one
+    written by an older mtp-train."""
+    missing = [key for key in ("run_id", "world_size", "tokens") if checkpoint.state.get(key) is None]
     if missing:
         raise UserError(f"{checkpoint.path / 'client_state.json'}: no {' or '.join(missing)}: a checkpoint written by "
                         "an older mtp-train; start over with --resume never or another train.run_dir")

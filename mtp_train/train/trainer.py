@@ -192,7 +192,7 @@ class TrainingRun:
     engine: Any  # deepspeed engine; engine.module is the head (a DraftHead, or an Eagle3Head)
     total_steps: int
     draft_vocab_coverage: float | None
-    run_id: str | None = None  # set by resume_from_checkpoint; None: resumed a checkpoint older than run ids
+    run_id: str | None = None  # set by resume_from_checkpoint
     tokens_before: int = 0  # tokens (all ranks) trained on before this session, from the resumed checkpoint
 
     @property
@@ -397,7 +397,7 @@ def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool =
             if backup is not None:
                 print(f"train: a new run in {run.run_dir}: the previous run's checkpoints, metrics, summary and "
                       f"head were moved to {backup} (delete it when no longer needed)", flush=True)
-        elif run_id[0] is not None and read_run_id(run.run_dir) != run_id[0]:
+        elif read_run_id(run.run_dir) != run_id[0]:
             atomic_write_text(run.run_dir / "run_id", run_id[0] + "\n")  # resumed one of its older checkpoints
         if continues:  # this run's checkpoints after the one resumed belong to the abandoned continuation
             newer = [c for c in run_checkpoints(run.checkpoint_dir, run_id[0]) if c.step > chosen.step]
