@@ -44,7 +44,7 @@ _VAL_KEY = re.compile(r"^val/step(?P<k>\d+)/(?P<metric>[a-z0-9]+)$")
 _ABSENT = "<absent>"
 BASELINE_METHODS = frozenset({"lookup"})  # model-free proposers `mtp-train eval` runs beside the draft
 EVAL_KEYS = ("tau", "mean_acceptance_length", "alpha", "speedup", "speedup_median", "speedup_p25", "speedup_p75",
-             "predicted_speedup")  # predicted_speedup: from the eval's cost curve (None in older reports)
+             "predicted_speedup")  # predicted_speedup: from the eval's cost curve (None without eval.cost_curve)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -76,9 +76,15 @@ def _read_json(path: Path, run: Run) -> dict[str, Any] | None:
 
 
 def _read_report(path: Path, run: Run) -> dict[str, Any] | None:
+    """The eval report at `path`, or None with a note: unreadable, no 'overall' section, or no 'draft_method' (a
+    report of an older mtp-train, not guessed from its method names)."""
     report = _read_json(path, run)
     if report is not None and not isinstance(report.get("overall"), dict):
         run.notes.append(f"{path.relative_to(run.path).as_posix()}: no 'overall' section")
+        return None
+    if report is not None and "draft_method" not in report:
+        run.notes.append(f"{path.relative_to(run.path).as_posix()}: no 'draft_method': written by an older "
+                         "mtp-train; run `mtp-train eval` again to compare it")
         return None
     return report
 
@@ -193,7 +199,7 @@ def _val_by_step(values: dict[str, Any]) -> dict[int, dict[str, float]]:
 
 
 def _eval_numbers(result: dict[str, Any]) -> dict[str, Any]:
-    """One method's numbers in an eval report (None where an older report lacks them)."""
+    """One method's numbers in an eval report (None where the report has none, e.g. predicted_speedup)."""
     numbers = {key: _number(result.get(key)) for key in EVAL_KEYS}
     return {**numbers, "acceptance_per_position": list(result.get("acceptance_per_position") or [])}
 
