@@ -226,6 +226,10 @@ class FeatureReader:
                 "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("world_size", self.world_size) != self.world_size or state.get("seed", self.seed) != self.seed:
+        missing = [key for key in ("epoch", "batch_in_epoch", "seed", "world_size") if key not in state]
+        if missing:
+            raise UserError(f"data position without {', '.join(missing)}: saved by an older mtp-train; start over "
+                            "with --resume never or another train.run_dir")
+        if state["world_size"] != self.world_size or state["seed"] != self.seed:
             raise UserError("data position was saved with another world size or seed; cannot resume it exactly")
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
