@@ -61,11 +61,6 @@ from mtp_train.fileio import (
     write_output_marker,
 )
 from mtp_train.recipe import Recipe, recipe_hash, save_resolved
-from mtp_train.runtime.chat import encode_chat, stop_token_ids
-from mtp_train.runtime.generate import generate
-from mtp_train.runtime.loader import load_model, resolve_device
-from mtp_train.runtime.precision import resolve_precision
-from mtp_train.runtime.sampler import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +138,13 @@ def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
     already fills `data.max_seq_len` gets an empty reply: nothing after it would survive truncation, and the
     conversation is cut there. A progress bar counts the generated tokens (tokens/s).
     """
+    # local: the runtime (torch, the model) is needed only with data.regenerate; plain prepare runs without it
+    from mtp_train.runtime.chat import encode_chat, stop_token_ids
+    from mtp_train.runtime.generate import generate
+    from mtp_train.runtime.loader import load_model, resolve_device
+    from mtp_train.runtime.precision import resolve_precision
+    from mtp_train.runtime.sampler import SamplingParams
+
     settings = recipe.data.regenerate
     device = resolve_device(recipe.target.device)
     precision = resolve_precision(recipe.target.dtype, recipe.target.decode_dtype, device)

@@ -20,14 +20,16 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 
 from mtp_train.data.templating import effective_chat_template, load_chat_tokenizer
 from mtp_train.errors import UserError
 from mtp_train.fileio import file_sha256, read_json_object, recover_replaced_directory
+
+if TYPE_CHECKING:
+    import datasets
 
 # 2: the tokenizer hash covers tokenizer_config.json's id-relevant keys and added_tokens.json
 PREPARED_FORMAT_VERSION = 2
@@ -42,6 +44,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.tx
 
 def prepared_features() -> datasets.Features:
     """The column types of the train/eval datasets."""
+    import datasets  # local: about a second to import; the trainer imports this module for tokenizer_fingerprint
+
     return datasets.Features(
         {
             "input_ids": datasets.List(datasets.Value("int32")),
@@ -142,6 +146,8 @@ class PreparedDataset:
 
 def load_prepared(directory: str | Path, *, verify: bool = False) -> PreparedDataset:
     """Open `<directory>` written by `prepare`; `verify` recomputes the dataset hash and compares it."""
+    import datasets  # local: see prepared_features
+
     root = Path(directory)
     recover_replaced_directory(root)  # a replace killed between its renames: the previous output back in place
     if not (root / FINGERPRINT_FILENAME).is_file():

@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtp_train.runtime.spec.tree import parse_tree_method, representative_tree
-
 if TYPE_CHECKING:  # runner imports the runtime (torch); `compare` imports this module for its plot helpers
     from mtp_train.evaluate.runner import MethodTotals
     from mtp_train.profile.costs import CostCurve, TreeCost
@@ -97,6 +95,9 @@ def _add_trees(report: dict[str, Any], draft_name: str | None, tree_costs: dict[
     no lookup branch, so a hybrid tree's are for its head part) and the static `speculative_token_tree` (paths of child
     ranks) of its representative tree, the experimental option of earlier vLLM V1 releases (vLLM 0.32.0 has no tree
     option and rejects it: `mtp-train export` writes the chain k for vLLM, see docs/export.md)."""
+    # local: the runtime imports torch, and `mtp-train --help` imports this module (through evaluate.compare)
+    from mtp_train.runtime.spec.tree import parse_tree_method, representative_tree
+
     chains = {m: r for m, r in report["overall"].items() if draft_name and m.startswith(f"{draft_name}@k=")}
     best_chain_tau = max((r["tau"] for r in chains.values()), default=0.0)
     curve = cost_curves.get(draft_name) if draft_name else None
