@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer
-
 from mtp_train.data.conversations import Message, RowSkipped
 from mtp_train.errors import UserError
 
@@ -88,6 +86,10 @@ def load_chat_tokenizer(
     `chat_template_path` (the recipe's `data.chat_template`) replaces or supplies the template. A tokenizer without
     any template is a UserError that says how to supply one.
     """
+    # local: transformers takes about a second, and the trainer, eval and feature reader import this module (through
+    # data.prepared's tokenizer_fingerprint) whether or not they load a tokenizer
+    from transformers import AutoTokenizer
+
     target_dir = Path(target_path)
     if not target_dir.is_dir():
         raise UserError(

@@ -12,6 +12,7 @@ import sys
 from importlib import metadata
 
 import torch
+
 from mtp_train.cpu_kinds import run_as_note
 from mtp_train.runtime.hardware import (
     blas_summary,
