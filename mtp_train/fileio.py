@@ -7,11 +7,14 @@ directory behind (stages that resume remove those of their own)."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
 import struct
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,7 +65,7 @@ def safetensors_bytes(tensors: dict[str, Any], metadata: dict[str, str]) -> byte
     safetensors writes its metadata from a hash map, in an order that changes per process, so the header's metadata
     is rewritten here in sorted key order (same length, tensor offsets untouched). Storage shared between entries (tied
     embeddings) is cloned, as safetensors refuses it."""
-    from safetensors.torch import save
+    from safetensors.torch import save  # local: imports torch; `mtp-train --help` imports fileio
 
     seen: set[int] = set()
     clean = {}
@@ -253,10 +256,6 @@ class OutputLock:
         self.stream = None
 
     def acquire(self) -> OutputLock:
-        import fcntl
-        import socket
-        import sys
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
         stream = open(self.path, "a+", encoding="utf-8", errors="replace")
         try:
@@ -288,8 +287,6 @@ class OutputLock:
         return self
 
     def release(self) -> None:
-        import fcntl
-
         if self.stream is None:
             return
         try:

@@ -159,7 +159,7 @@ def prepare_workdir(name: str, workdir: Path, args) -> list[str]:
     sets = [a for o in overrides for a in ("--set", o)]
     if not (workdir / "features" / "manifest.json").is_file():
         synthetic_sharegpt(workdir / "sharegpt.jsonl", args.conversations)
-        # Precompute in float32 on CPUs without native bf16 (bf16 GEMMs are ~6x slower there); the cache stores bf16
+        # Precompute in float32 on CPUs without native bf16 (bf16 GEMMs are much slower there); the cache stores bf16
         # states either way, so the training runs read the same features whatever dtype they compute in.
         from mtp_train.runtime.hardware import cpu_facts
 

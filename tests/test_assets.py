@@ -329,8 +329,8 @@ def test_failed_build_leaves_no_target(tiny_model: dict[str, Any]) -> None:
 def test_stale_tmp_from_killed_run_is_removed(tiny_model: dict[str, Any]) -> None:
     root = tiny_model["root"]
     models = root / "models"
-    stale = [models / ".tiny-model.tmp-999999", models / ".tiny-model.old-999999", models / "tiny-model.tmp-999998"]
-    for directory in stale:  # the last: the unhidden name of earlier versions
+    stale = [models / ".tiny-model.tmp-999999", models / ".tiny-model.old-999999"]
+    for directory in stale:
         (directory / "_gguf").mkdir(parents=True)
         (directory / "_gguf" / "tiny.gguf").write_bytes(b"partial")
     incomplete = models / "tiny-model"  # a directory without its marker is not "present"

@@ -246,9 +246,11 @@ def test_fc_bias_false_is_a_recipe_key_for_eagle1_only(target):
     with pytest.raises(UserError, match=r"fc_bias=false \(recipe head\.fc_bias\) applies to eagle1 heads"):
         load_recipe(RECIPE_PATH, ["head.fc_bias=false", "head.draft_vocab_size=full"]).head.head_config(target.config)
     assert HeadConfig.from_dict({**config.to_dict()}).fc_bias is False
-    legacy = config.to_dict()
-    legacy.pop("fc_bias")  # a head_config.json written before the key existed: a biased fc
-    assert HeadConfig.from_dict(legacy).fc_bias is True
+    older = config.to_dict()
+    older.pop("fc_bias")  # a head_config.json written before the key existed: refused, not read as a biased fc
+    with pytest.raises(UserError, match=r"missing key\(s\) fc_bias \(written by an older mtp-train, before those keys "
+                                        r"existed\): train the head again"):
+        HeadConfig.from_dict(older)
 
 
 # ---- speculators EAGLE-1: gone --------------------------------------------------------------------------------------

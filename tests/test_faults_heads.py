@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -104,23 +103,22 @@ def test_corrupted_head_is_refused_by_generate_export_and_load(chat_target, good
     assert not out.exists() and leftovers(tmp_path) == []
 
 
-def test_old_head_without_checksum_loads_with_a_note(chat_target, good_head, tmp_path, caplog):
-    """A head saved before checksums were recorded: loaded as before, with one line saying it is not verified."""
+def test_head_without_checksum_is_refused(chat_target, good_head, tmp_path):
+    """A head_config.json without weights_sha256 (saved by an older mtp-train): refused, naming the file and what
+    to do, not loaded unverified."""
     old = tmp_path / "old"
     shutil.copytree(good_head, old)
     config = json.loads((old / "head_config.json").read_text())
     del config["weights_sha256"]
     (old / "head_config.json").write_text(json.dumps(config))
-    with caplog.at_level(logging.WARNING, logger="mtp_train.heads.io"):
-        head = load_head(old, chat_target[1])
-    assert isinstance(head, DraftHead)
-    notes = [r.getMessage() for r in caplog.records if "no weights_sha256" in r.getMessage()]
-    assert len(notes) == 1 and str(old / "model.safetensors") in notes[0]
+    with pytest.raises(UserError, match=r"head_config\.json: no weights_sha256: a head saved by an older mtp-train "
+                                        r".*train it again"):
+        load_head(old, chat_target[1])
 
 
 def test_nonfinite_weights_are_refused_by_name_and_count(chat_target, good_head, tmp_path):
-    """Without a checksum to catch it (an old head, or NaN written at save), NaN/Inf weights are refused: every
-    tensor named with its count."""
+    """Without a checksum to catch it (NaN written at save), NaN/Inf weights are refused: every tensor named with
+    its count."""
     state = load_file(good_head / "model.safetensors")
     state["layers.0.mlp.up_proj.weight"][0, :3] = float("nan")
     state["norm.weight"][:2] = float("inf")
@@ -192,10 +190,12 @@ def test_inspect_names_a_changed_side_file_and_notes_a_missing_record(chat_targe
     ] != []
 
     config = json.loads((out / "config.json").read_text())
-    del config["mtp_train"]["checksums"]  # an export written before exports carried checksums
+    del config["mtp_train"]["checksums"]  # an export written before exports carried checksums: refused
     (out / "config.json").write_text(json.dumps(config))
     report = inspect_dir(out)
-    assert report.ok and report.checksum.startswith("no checksum recorded"), report.all_problems
+    assert not report.ok and report.integrity == [
+        f"{out / 'config.json'} mtp_train.checksums: absent: an export written by an older mtp-train (before exports "
+        "carried checksums); export the head again"]
 
 
 def test_export_refuses_nonfinite_tensors_it_reads_or_writes(chat_target, good_head, tmp_path):

@@ -54,7 +54,7 @@ def test_a_full_disk_in_prepare_is_one_line_naming_where(pipeline, tmp_path, mon
 def test_a_full_disk_in_eval_names_the_report_directory(pipeline, tmp_path, monkeypatch):
     import torch
 
-    import mtp_train.evaluate.report as report
+    import mtp_train.evaluate.evaluation as evaluation
     from mtp_train.commands.eval import run_evaluation
     from mtp_train.heads import DraftHead, HeadConfig, save_head
     from mtp_train.recipe import load_recipe
@@ -70,7 +70,7 @@ def test_a_full_disk_in_eval_names_the_report_directory(pipeline, tmp_path, monk
     def full(*args, **kwargs):  # what matplotlib raised: ENOSPC with no file name
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(report, "write_plots", full)
+    monkeypatch.setattr(evaluation, "write_plots", full)  # where the eval calls it
     with pytest.raises(OSError) as raised:
         run_evaluation(recipe, tmp_path / "head", None, None, 1, [1], 4, tmp_path / "eval", show_progress=False)
     assert raised.value.filename == str(tmp_path / "eval")

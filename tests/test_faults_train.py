@@ -191,14 +191,26 @@ def test_other_world_size_is_refused_naming_it(features, finished, tmp_path):
     shutil.copytree(finished, run_dir)
     step = run_dir / "checkpoints" / "step-4"
     state = json.loads((step / "client_state.json").read_text())
-    del state["world_size"]  # a checkpoint without the key: the ZeRO partitions are counted
-    (step / "client_state.json").write_text(json.dumps({**state, "reader": {**state["reader"], "world_size": 2}}))
-    shutil.copy(step / "zero_pp_rank_0_mp_rank_00_optim_states.pt", step / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    (step / "client_state.json").write_text(json.dumps({**state, "world_size": 2}))
     with pytest.raises(UserError, match="step-4: saved by 2 ranks, this run has 1; ZeRO-2 .* Resume with 2 ranks"):
         _train(overrides, run_dir, "train.max_steps=6")
-    state.pop("reader")
-    (step / "client_state.json").write_text(json.dumps({**state, "world_size": 4, "reader": {}}))
-    with pytest.raises(UserError, match="saved by 4 ranks"):
+
+
+@pytest.mark.parametrize("key", ["run_id", "world_size", "tokens"])
+def test_checkpoint_of_an_older_mtp_train_is_refused(features, finished, tmp_path, key):
+    """A client state without a key this trainer records: refused, naming the file and what to do (not guessed from
+    the reader state, the ZeRO partitions or the metric rows)."""
+    _, overrides = features
+    run_dir = tmp_path / "older"
+    shutil.copytree(finished, run_dir)
+    client = run_dir / "checkpoints" / "step-4" / "client_state.json"
+    state = json.loads(client.read_text())
+    del state[key]
+    client.write_text(json.dumps(state))
+    if key == "run_id":  # a run dir of before run ids: no run_id file either, so every checkpoint is a candidate
+        (run_dir / "run_id").unlink()
+    with pytest.raises(UserError, match=rf"step-4/client_state\.json: no {key}: a checkpoint written by an older "
+                                        r"mtp-train; start over with --resume never"):
         _train(overrides, run_dir, "train.max_steps=6")
 
 
@@ -418,7 +430,6 @@ def test_a_save_that_fails_midway_leaves_the_existing_checkpoint_whole(tmp_path,
     and renamed into place; an interrupted one leaves the old checkpoint as it was and no staging directory."""
     from types import SimpleNamespace
 
-    import mtp_train.fileio as fileio
     from mtp_train.train import trainer
 
     _process_group()
@@ -443,7 +454,7 @@ def test_a_save_that_fails_midway_leaves_the_existing_checkpoint_whole(tmp_path,
     def killed(path, value):  # the client state is written last: fail there, as a kill at that moment would
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(fileio, "write_json_atomic", killed)
+    monkeypatch.setattr(trainer, "write_json_atomic", killed)  # where save_checkpoint calls it
     with pytest.raises(OSError):
         trainer.save_checkpoint(run, 4)
     assert (old / "mp_rank_00_model_states.pt").read_bytes() == b"old model"

@@ -267,6 +267,9 @@ def test_reader_splits_ranks_shuffles_and_resumes(tmp_path):
     state = reader.state_dict()
     following = [next(it) for _ in range(4)]
     resumed = FeatureReader(root, micro_batch_tokens=200, rank=0, world_size=2, seed=3)
+    older = {key: value for key, value in state.items() if key != "seed"}  # an older mtp-train's data position
+    with pytest.raises(UserError, match="data position without seed: saved by an older mtp-train; start over"):
+        resumed.load_state_dict(older)
     resumed.load_state_dict(state)
     again = iter(resumed)
     for expected in following:

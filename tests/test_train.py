@@ -114,7 +114,7 @@ def test_frozen_target_tensors_unchanged(features, monkeypatch, init):
     def no_full_load(*args, **kwargs):
         raise AssertionError("training built the whole target")
 
-    monkeypatch.setattr(frozen_parts, "load_frozen_parts", capturing_load)
+    monkeypatch.setattr(trainer, "load_frozen_parts", capturing_load)  # where the trainer calls it
     monkeypatch.setattr(loader, "load_model", no_full_load)
     trainer.run_training(recipe, show_progress=False)
     parts = captured["parts"]
@@ -200,6 +200,8 @@ def test_deepspeed_config_conflicts(tmp_path):
 
 def test_nan_loss_stops_with_a_checkpoint(features, monkeypatch):
     import mtp_train.train.losses as losses
+    import mtp_train.train.trainer as trainer
+    import mtp_train.train.validation as validation
     from mtp_train.train.trainer import run_training
 
     root, overrides = features
@@ -214,7 +216,8 @@ def test_nan_loss_stops_with_a_checkpoint(features, monkeypatch):
             metrics["loss"] = loss.detach()
         return loss, metrics
 
-    monkeypatch.setattr(losses, "unrolled_losses", poisoned)
+    monkeypatch.setattr(trainer, "unrolled_losses", poisoned)  # where training and validation call it
+    monkeypatch.setattr(validation, "unrolled_losses", poisoned)
     run_dir = root / "run-nan"
     recipe = load_recipe(RECIPE, overrides + [f"train.run_dir={run_dir}", "train.max_steps=50"])
     with pytest.raises(UserError, match="loss is nan at step 3; stopped"):

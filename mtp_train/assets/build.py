@@ -9,6 +9,7 @@ file, and temporary directories left by killed runs are removed by the next run.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import time
@@ -55,11 +56,6 @@ def is_present(target: Path, marker: str) -> bool:
 @contextlib.contextmanager
 def _exclusive_lock(target: Path) -> Iterator[None]:
     """Serialize builds of `target` across processes with an flock on `.<name>.lock` next to it."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): builds are still atomic, only not serialized
-        yield
-        return
     lock_path = target.parent / f".{target.name}.lock"
     with open(lock_path, "a+") as lock:
         try:
@@ -76,17 +72,15 @@ def _exclusive_lock(target: Path) -> Iterator[None]:
 def _remove_stale(target: Path) -> None:
     """Undo a replace of `target` killed between its two renames (`fileio.recover_replaced_directory`: the retired
     copy renamed back where `target` is missing), then remove the temporary and retired siblings left by killed runs
-    (called with its lock held): `.<name>.tmp-*` / `.<name>.old-*`, and the unhidden `<name>.tmp-*` / `<name>.old-*`
-    of earlier versions."""
+    (called with its lock held): `.<name>.tmp-*` / `.<name>.old-*`."""
     recover_replaced_directory(target)
-    for prefix in (".", ""):
-        for pattern in (f"{prefix}{target.name}.tmp-*", f"{prefix}{target.name}.old-*"):
-            for stale in target.parent.glob(pattern):
-                say(f"removing stale temporary directory {stale}")
-                if stale.is_dir() and not stale.is_symlink():
-                    shutil.rmtree(stale, ignore_errors=True)
-                else:
-                    stale.unlink(missing_ok=True)
+    for pattern in (f".{target.name}.tmp-*", f".{target.name}.old-*"):
+        for stale in target.parent.glob(pattern):
+            say(f"removing stale temporary directory {stale}")
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
 
 
 def build_atomically(

@@ -8,14 +8,14 @@ from typing import Any
 
 def say(message: str) -> None:
     """A progress message on stderr that does not tear tqdm bars."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: keeps tqdm out of `mtp-train --help` (the CLI imports assets)
 
     tqdm.write(message, file=sys.stderr)
 
 
 def progress(**kwargs: Any) -> Any:
     """A tqdm bar on stderr (bytes bars scale to KiB/MiB)."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: keeps tqdm out of `mtp-train --help` (the CLI imports assets)
 
     if kwargs.get("unit") == "B":
         kwargs.setdefault("unit_scale", True)

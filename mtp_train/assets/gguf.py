@@ -7,6 +7,7 @@ import json
 import shutil
 import time
 from collections import Counter
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
     Writes config.json (without `quantization_config`), model.safetensors, generation_config.json and the
     tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja). Returns facts about the model.
     """
-    import torch
+    import torch  # local, with the next two: seconds to import; `mtp-train --help` imports gguf
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -67,8 +68,6 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
 
 
 def _library_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     versions = {}
     for dist in ("transformers", "torch", "gguf", "safetensors"):
         try:

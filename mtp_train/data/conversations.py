@@ -191,7 +191,7 @@ def _iter_json_lines(path: Path) -> Iterator[RawRow]:
 def _iter_hf_rows(path: Path, split: str | None) -> Iterator[RawRow]:
     """Rows of an HF `datasets` directory (Dataset or DatasetDict) or of a parquet file."""
     if path.is_file():
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # local: `mtp-train --help` imports this module (through assets.sharegpt)
 
         try:
             parquet = pq.ParquetFile(path)
@@ -200,7 +200,7 @@ def _iter_hf_rows(path: Path, split: str | None) -> Iterator[RawRow]:
         yield from _arrow_rows(path, parquet.iter_batches(batch_size=256))
         return
 
-    import datasets
+    import datasets  # local: takes about a second; `mtp-train --help` imports this module (through assets.sharegpt)
 
     try:
         loaded = datasets.load_from_disk(str(path))

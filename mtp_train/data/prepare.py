@@ -23,6 +23,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import datasets
+from tqdm import tqdm
+
 import mtp_train
 from mtp_train.data.conversations import (
     Conversation,
@@ -135,8 +138,7 @@ def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
     already fills `data.max_seq_len` gets an empty reply: nothing after it would survive truncation, and the
     conversation is cut there. A progress bar counts the generated tokens (tokens/s).
     """
-    from tqdm import tqdm
-
+    # local: the runtime (torch, the model) is needed only with data.regenerate; plain prepare runs without it
     from mtp_train.runtime.chat import encode_chat, stop_token_ids
     from mtp_train.runtime.generate import generate
     from mtp_train.runtime.loader import load_model, resolve_device
@@ -210,8 +212,6 @@ class _SamplePipeline:
 
     def rows(self) -> Iterator[dict[str, Any]]:
         """Sample rows {input_ids, loss_mask, source_id, split}; raises UserError if nothing was kept."""
-        from tqdm import tqdm
-
         data = self.recipe.data
         progress = tqdm(unit=" rows", desc="prepare", disable=not self.show_progress, dynamic_ncols=True)
         # Every source is listed in the stats, including those not reached because a limit was hit first.
@@ -429,8 +429,6 @@ def _is_up_to_date(output_dir: Path, inputs_hash: str) -> bool:
 
 def _write_splits(pipeline: _SamplePipeline, cache_dir: Path, staging_dir: Path, inputs_hash: str) -> str:
     """Run the pipeline, save the train/eval datasets under `staging_dir`, return their dataset_content_hash."""
-    import datasets
-
     progress_bars_were_enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # our own tqdm bar reports progress
     try:
@@ -450,8 +448,6 @@ def _write_splits(pipeline: _SamplePipeline, cache_dir: Path, staging_dir: Path,
 
 def _generate_dataset(pipeline: _SamplePipeline, cache_dir: Path, inputs_hash: str) -> Any:
     """All sample rows as one Dataset (with a `split` column), written under `cache_dir`."""
-    import datasets
-
     features = prepared_features().copy()
     features["split"] = datasets.Value("string")
     try:

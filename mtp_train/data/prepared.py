@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from mtp_train.data.templating import effective_chat_template, load_chat_tokenizer
 from mtp_train.errors import UserError
 from mtp_train.fileio import file_sha256, read_json_object, recover_replaced_directory
 
@@ -41,7 +44,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.tx
 
 def prepared_features() -> datasets.Features:
     """The column types of the train/eval datasets."""
-    import datasets
+    import datasets  # local: about a second to import; the trainer imports this module for tokenizer_fingerprint
 
     return datasets.Features(
         {
@@ -104,8 +107,6 @@ def dataset_content_hash(splits: Mapping[str, datasets.Dataset]) -> str:
     For each split: its name, NUL, then sha256(row lengths as int64 LE), sha256(all input_ids as int32 LE) and
     sha256(all loss_mask bytes); the result is the sha256 of all of that. Independent of how arrow chunks columns.
     """
-    import numpy as np
-
     combined = hashlib.sha256()
     for split_name, dataset in splits.items():
         lengths_hash, ids_hash, mask_hash = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
@@ -145,7 +146,7 @@ class PreparedDataset:
 
 def load_prepared(directory: str | Path, *, verify: bool = False) -> PreparedDataset:
     """Open `<directory>` written by `prepare`; `verify` recomputes the dataset hash and compares it."""
-    import datasets
+    import datasets  # local: see prepared_features
 
     root = Path(directory)
     recover_replaced_directory(root)  # a replace killed between its renames: the previous output back in place
@@ -172,8 +173,6 @@ def tokenizer_fingerprint(model_dir: str | Path, chat_template_path: str | Path 
     `tokenizer_hash`, the feature manifest's `fingerprints.tokenizer`): the same loader and the same hash, so a
     target whose token ids mean what the prepared data's ids mean gives the equal value. `chat_template_path` is the
     recipe's `data.chat_template` (it replaces the tokenizer's own template, and the template is part of the hash)."""
-    from mtp_train.data.templating import effective_chat_template, load_chat_tokenizer
-
     tokenizer = load_chat_tokenizer(model_dir, chat_template_path)
     return tokenizer_hash(model_dir, effective_chat_template(tokenizer))
 

@@ -86,6 +86,8 @@ def load_chat_tokenizer(
     `chat_template_path` (the recipe's `data.chat_template`) replaces or supplies the template. A tokenizer without
     any template is a UserError that says how to supply one.
     """
+    # local: transformers takes about a second, and the trainer, eval and feature reader import this module (through
+    # data.prepared's tokenizer_fingerprint) whether or not they load a tokenizer
     from transformers import AutoTokenizer
 
     target_dir = Path(target_path)

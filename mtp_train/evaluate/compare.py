@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from mtp_train.errors import UserError
 from mtp_train.evaluate.report import label_axes, save_figure
 from mtp_train.fileio import atomic_write_text, read_json_object, write_json_atomic
@@ -42,7 +44,7 @@ _VAL_KEY = re.compile(r"^val/step(?P<k>\d+)/(?P<metric>[a-z0-9]+)$")
 _ABSENT = "<absent>"
 BASELINE_METHODS = frozenset({"lookup"})  # model-free proposers `mtp-train eval` runs beside the draft
 EVAL_KEYS = ("tau", "mean_acceptance_length", "alpha", "speedup", "speedup_median", "speedup_p25", "speedup_p75",
-             "predicted_speedup")  # predicted_speedup: from the eval's cost curve (None in older reports)
+             "predicted_speedup")  # predicted_speedup: from the eval's cost curve (None without eval.cost_curve)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -74,9 +76,15 @@ def _read_json(path: Path, run: Run) -> dict[str, Any] | None:
 
 
 def _read_report(path: Path, run: Run) -> dict[str, Any] | None:
+    """The eval report at `path`, or None with a note: unreadable, no 'overall' section, or no 'draft_method' (a
+    report of an older mtp-train, not guessed from its method names)."""
     report = _read_json(path, run)
     if report is not None and not isinstance(report.get("overall"), dict):
         run.notes.append(f"{path.relative_to(run.path).as_posix()}: no 'overall' section")
+        return None
+    if report is not None and "draft_method" not in report:
+        run.notes.append(f"{path.relative_to(run.path).as_posix()}: no 'draft_method': written by an older "
+                         "mtp-train; run `mtp-train eval` again to compare it")
         return None
     return report
 
@@ -100,8 +108,6 @@ def load_run(path: str | Path) -> Run:
 
     recipe_path = run_path / "recipe.resolved.yaml"
     if recipe_path.is_file():
-        import yaml
-
         try:
             recipe = yaml.safe_load(recipe_path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
@@ -193,7 +199,7 @@ def _val_by_step(values: dict[str, Any]) -> dict[int, dict[str, float]]:
 
 
 def _eval_numbers(result: dict[str, Any]) -> dict[str, Any]:
-    """One method's numbers in an eval report (None where an older report lacks them)."""
+    """One method's numbers in an eval report (None where the report has none, e.g. predicted_speedup)."""
     numbers = {key: _number(result.get(key)) for key in EVAL_KEYS}
     return {**numbers, "acceptance_per_position": list(result.get("acceptance_per_position") or [])}
 
@@ -389,7 +395,7 @@ def _plain(value: Any) -> Any:
 
 def write_plots(runs: list[Run], numbers: list[dict[str, Any]], out_dir: Path) -> tuple[list[Path], list[str]]:
     """Returns (PNG paths written, notes about plots skipped)."""
-    import matplotlib
+    import matplotlib  # local, with the next two: matplotlib is slow to import and only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -9,8 +9,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mtp_train.errors import UserError
+from mtp_train.evaluate.prompts import load_heldout, load_mt_bench
+from mtp_train.evaluate.report import batch_summary, build_report, write_markdown, write_plots
+from mtp_train.evaluate.runner import first_turn_ids, run_methods
+from mtp_train.fileio import write_json_atomic
 from mtp_train.profile.costs import CostCurve, measure_cost_curves, measure_tree_costs
-from mtp_train.train.tracking import read_metric_rows
+from mtp_train.runtime.chat import stop_token_ids
+from mtp_train.runtime.hardware import machine_name
+from mtp_train.runtime.model import CausalLM
+from mtp_train.runtime.sampler import SamplingParams
+from mtp_train.runtime.spec import DraftTree, PromptLookup
+from mtp_train.runtime.spec.tree import parse_tree_method
+from mtp_train.train.tracking import Tracker, read_metric_rows
 
 
 def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, draft_kind: str, draft_path: str,
@@ -29,15 +40,6 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
     `trees`: tree drafting with the head beside its chain, one method per 'DEPTHxTOPKxNODES' (a hybrid tree with the
     prompt-lookup branch: 'DEPTHxTOPKxNODES+lookup'), reported as "<draft_method>@tree=..."; with `cost_curve` each
     tree's verify forward (tree mask) is timed beside a causal verify of the same size."""
-    from mtp_train.evaluate.prompts import load_heldout, load_mt_bench
-    from mtp_train.evaluate.report import batch_summary, build_report, write_markdown, write_plots
-    from mtp_train.evaluate.runner import first_turn_ids, run_methods
-    from mtp_train.fileio import write_json_atomic
-    from mtp_train.runtime.chat import stop_token_ids
-    from mtp_train.runtime.hardware import machine_name
-    from mtp_train.runtime.sampler import SamplingParams
-    from mtp_train.runtime.spec import PromptLookup
-
     if prompts_path:
         prompt_set = load_mt_bench(prompts_path, limit)
     else:
@@ -98,11 +100,6 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
 
 def _tree_drafts(draft, draft_method: str, trees: tuple[str, ...]) -> dict[str, object]:
     """{method name: DraftTree} for the tree specs (a head only: trees are drafted by a head's top-k)."""
-    from mtp_train.errors import UserError
-    from mtp_train.runtime.model import CausalLM
-    from mtp_train.runtime.spec import DraftTree, PromptLookup
-    from mtp_train.runtime.spec.tree import parse_tree_method
-
     if trees and isinstance(draft, CausalLM):
         raise UserError("--tree drafts with a head (--head); a draft model (--draft) drafts chains only")
     out = {}
@@ -126,8 +123,6 @@ def _log_to_run(recipe, run_dir: Path, report: dict, plots: list[Path]) -> None:
     with metrics_path.open("a") as stream:
         stream.write(json.dumps(row) + "\n")
     if recipe.tracking.wandb.mode != "disabled" and (run_dir / "wandb_run_id").is_file():
-        from mtp_train.train.tracking import Tracker
-
         tracker = Tracker(run_dir, recipe, enabled=True, resume=True)
         if tracker.wandb_run is not None:
             tracker.wandb_run.log({k: v for k, v in row.items() if k != "step"})

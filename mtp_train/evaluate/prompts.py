@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtp_train.data.prepared import load_prepared, prompt_before_first_reply
 from mtp_train.errors import UserError
 
 
@@ -51,8 +52,6 @@ def load_mt_bench(path: str | Path, limit: int | None = None) -> PromptSet:
 
 def load_heldout(prepared_dir: str | Path, limit: int | None = None) -> PromptSet:
     """First prompt of each held-out conversation (ending with the generation header), as token ids."""
-    from mtp_train.data.prepared import load_prepared, prompt_before_first_reply
-
     prepared = load_prepared(prepared_dir)
     prompts, skipped = [], []
     for row in prepared.eval:

@@ -95,6 +95,7 @@ def _add_trees(report: dict[str, Any], draft_name: str | None, tree_costs: dict[
     no lookup branch, so a hybrid tree's are for its head part) and the static `speculative_token_tree` (paths of child
     ranks) of its representative tree, the experimental option of earlier vLLM V1 releases (vLLM 0.32.0 has no tree
     option and rejects it: `mtp-train export` writes the chain k for vLLM, see docs/export.md)."""
+    # local: the runtime imports torch, and `mtp-train --help` imports this module (through evaluate.compare)
     from mtp_train.runtime.spec.tree import parse_tree_method, representative_tree
 
     chains = {m: r for m, r in report["overall"].items() if draft_name and m.startswith(f"{draft_name}@k=")}
@@ -300,7 +301,7 @@ def label_axes(axis, xlabel: str, ylabel: str, title: str, ylim: tuple[float, fl
 
 
 def save_figure(fig, path: Path, dpi: int) -> Path:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # local: matplotlib is slow to import and only the plots need it
 
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
@@ -309,7 +310,7 @@ def save_figure(fig, path: Path, dpi: int) -> Path:
 
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    import matplotlib
+    import matplotlib  # local, with the next one: matplotlib is slow to import and only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

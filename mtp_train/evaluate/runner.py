@@ -13,9 +13,11 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from mtp_train.evaluate.prompts import EvalPrompt
+from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.chat import encode_chat
 from mtp_train.runtime.generate import generate
 from mtp_train.runtime.sampler import SamplingParams
@@ -109,10 +111,6 @@ class MethodTotals:
 def divergence_gap(target, prompt_ids: list[int], plain: list[int], other: list[int]) -> float | None:
     """|logit(plain token) - logit(other token)| of the target at the first position where two greedy outputs
     differ (None if one is a prefix of the other)."""
-    import torch
-
-    from mtp_train.runtime.attention import BatchInfo
-
     j = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), None)
     if j is None:
         return None

@@ -181,7 +181,7 @@ class ExportFormat:
 
     def _alternatives(self, head_config: HeadConfig) -> str:
         """The engine formats that carry this head's kind, then native."""
-        from mtp_train.export.registry import FORMATS
+        from mtp_train.export.registry import FORMATS  # local: registry imports this module (ExportFormat)
 
         others = [fmt.name for fmt in FORMATS.values() if fmt.name != "native" and head_config.kind in fmt.kinds]
         return f"{', '.join(others)} or native" if others else "native"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from mtp_train.errors import UserError
 from mtp_train.fileio import (
@@ -34,8 +35,12 @@ from mtp_train.fileio import (
     read_json_object,
     staged_directory,
 )
+from mtp_train.fingerprint import target_fingerprint
 from mtp_train.heads.config import HeadConfig
-from mtp_train.runtime.config import ModelConfig
+from mtp_train.heads.io import check_finite
+from mtp_train.heads.vocab import check_d2t_t2d
+from mtp_train.runtime.config import ModelConfig, config_from_dict, load_config
+from mtp_train.runtime.loader import _weight_files
 from mtp_train.runtime.precision import TORCH_DTYPES
 
 FORMAT_VERSION = 1
@@ -154,8 +159,6 @@ LAYER_FIELDS = (
 def layer_shape_from_config(config: dict[str, Any], source: str) -> LayerShape:
     """The layer shape of an HF-style config dict (an engine export's config.json), parsed by the runtime from the
     fields that shape a layer (the others, e.g. `layer_types` sized for the whole target, are not the head's)."""
-    from mtp_train.runtime.config import config_from_dict
-
     return LayerShape.of(config_from_dict({k: config[k] for k in LAYER_FIELDS if k in config}, source))
 
 
@@ -198,9 +201,6 @@ class Target:
     @staticmethod
     def from_directory(directory: str | os.PathLike[str]) -> "Target":
         """A target model directory, without loading its weights."""
-        from mtp_train.fingerprint import target_fingerprint
-        from mtp_train.runtime.config import load_config
-
         directory = Path(directory)
         if not directory.is_dir():
             raise UserError(f"{directory}: target model directory not found")
@@ -226,17 +226,12 @@ class Target:
 
     def frozen_tensors(self) -> dict[str, torch.Tensor]:
         """{"embed_tokens": [V, d], "lm_head": [V, d]} as stored; lm_head = embed_tokens when the embeddings are tied."""
-        from safetensors import safe_open
-
-        from mtp_train.runtime.loader import _weight_files
-
         wanted = {"model.embed_tokens.weight": None, "lm_head.weight": None}
         for path in _weight_files(self.directory):
             with safe_open(str(path), framework="pt") as f:
                 for key in wanted:
                     if wanted[key] is None and key in f.keys():
                         wanted[key] = f.get_tensor(key)
-        from mtp_train.heads.io import check_finite
 
         check_finite({k: v for k, v in wanted.items() if v is not None}, f"{self.directory} (target weights)",
                      "the target's weights are corrupted: restore the target model directory")
@@ -271,8 +266,6 @@ class Target:
 
 def read_safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, dtype name) without reading the tensor data."""
-    from safetensors import safe_open
-
     if not path.is_file():
         raise UserError(f"{path}: not found")
     try:
@@ -326,8 +319,6 @@ def draft_vocab_tensor_problems(
 ) -> list[str]:
     """dtypes of `d2t`/`t2d` in a safetensors file (from its header) and, when both are readable, whether they describe
     the same `draft_vocab_size` strictly increasing target ids (shapes are checked by the caller)."""
-    from mtp_train.heads.vocab import check_d2t_t2d
-
     problems = []
     for name, want in DRAFT_VOCAB_TENSORS.items():
         if name in header and header[name][1] != want:
@@ -337,7 +328,6 @@ def draft_vocab_tensor_problems(
     )
     if problems or not shapes_ok:
         return problems
-    from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:

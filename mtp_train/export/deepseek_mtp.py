@@ -87,11 +87,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mtp_train.export.base import ExportFormat
 from mtp_train.export.common import (
     BLOCK_KEY, CONFIG_FILENAME, ENGINE_CONFIG_FIELDS, LayerShape, layer_shape_from_config, mtp_train_block,
 )
-from mtp_train.runtime.config import DEEPSEEK_MODEL_TYPES
+from mtp_train.heads.draft_head import DraftHead
+from mtp_train.runtime.config import DEEPSEEK_MODEL_TYPES, config_from_dict
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.weight$")
 _MODULE = "model.layers.{L}."  # MTP module k of a target with L layers: model.layers.{L + k}
@@ -179,9 +182,6 @@ class DeepSeekMTPFormat(ExportFormat):
         from this config and the recorded head config: MLA block, dense or MoE MLP), mapped to the layout."""
         if config.get("model_type") not in DEEPSEEK_MODEL_TYPES:
             return super().expected_tensors(config, directory)
-        import torch
-
-        from mtp_train.heads.draft_head import DraftHead
 
         model_config = _deepseek_config(config, directory)
         head_config = self.read_head_config(config, directory)
@@ -229,6 +229,4 @@ class DeepSeekMTPFormat(ExportFormat):
 def _deepseek_config(config: dict[str, Any], directory: Path):
     """The runtime's parsed config of an exported DeepSeek config.json (all of it: MLA and MoE fields shape the
     block), without our own block."""
-    from mtp_train.runtime.config import config_from_dict
-
     return config_from_dict({k: v for k, v in config.items() if k != BLOCK_KEY}, str(directory / CONFIG_FILENAME))

@@ -15,6 +15,7 @@ from mtp_train.export.common import (
 )
 from mtp_train.export.registry import FORMATS
 from mtp_train.fileio import file_sha256, read_json_object, recover_replaced_directory
+from mtp_train.heads.io import nonfinite_summary, read_safetensors
 
 # Heuristic detection order when the config does not name its format (native first: it may hold any names).
 _DETECT_ORDER = ("native", "eagle3", "vllm-mtp", "deepseek-mtp", "eagle")  # vllm-mtp: also num_nextn_predict_layers
@@ -86,17 +87,19 @@ def inspect_dir(directory: str | os.PathLike[str], target: Any = None) -> Report
 
 def check_integrity(report: Report) -> None:
     """Fill `report.checksum` and `report.integrity`: each file listed in config.json's mtp_train.checksums must
-    still have its recorded sha256 (an export without that record is noted, not refused: written before exports
-    carried checksums, or not by mtp-train), and no floating-point tensor of model.safetensors may hold NaN/Inf."""
-    from mtp_train.heads.io import nonfinite_summary, read_safetensors
-
+    still have its recorded sha256 (a config.json without the mtp_train block is noted: not written by mtp-train;
+    one with the block but no checksums is refused: written by an older mtp-train), and no floating-point tensor of
+    model.safetensors may hold NaN/Inf."""
     directory = report.directory
     block = report.config.get(BLOCK_KEY)
     recorded = block.get(CHECKSUMS_KEY) if isinstance(block, dict) else None
     source = f"{directory / CONFIG_FILENAME} {BLOCK_KEY}.{CHECKSUMS_KEY}"
-    if recorded is None:
-        report.checksum = (f"no checksum recorded ({BLOCK_KEY}.{CHECKSUMS_KEY} absent: exported before exports "
-                           "carried checksums, or not by mtp-train export); integrity not verified")
+    if not isinstance(block, dict):
+        report.checksum = (f"no checksum recorded (no {BLOCK_KEY} block: not written by mtp-train export); "
+                           "integrity not verified")
+    elif recorded is None:
+        report.integrity.append(f"{source}: absent: an export written by an older mtp-train (before exports carried "
+                                "checksums); export the head again")
     elif not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
         report.integrity.append(f"{source}: expected an object of file name -> sha256 hex")
     else:

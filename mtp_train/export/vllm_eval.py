@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
+from mtp_train.export.exporter import export_head
 from mtp_train.export.registry import get_format
 from mtp_train.export.vllm_serving import VLLM_FORMATS, vllm_serve_arguments, vllm_serve_command
+from mtp_train.heads.io import read_head_config
+from mtp_train.vllm_engine.engine import VllmWorker
 
 
 def acceptance_from_counters(metrics: dict[str, Any], k: int) -> tuple[float, list[float], int]:
@@ -35,8 +38,6 @@ def _run(target_dir: str, dtype: str, prompts: list[list[int]], max_new_tokens: 
          work_dir: Path, python: str | None, engine_args: dict, speculative: dict | None = None,
          hf_overrides: dict | None = None) -> dict[str, Any]:
     """One engine: the prompts decoded greedily one at a time; outputs, seconds per prompt, spec-decode counters."""
-    from mtp_train.vllm_engine.engine import VllmWorker
-
     settings = {"mode": "generate", "model": str(Path(target_dir).resolve()), "dtype": dtype,
                 "speculative_config": speculative, "hf_overrides": hf_overrides, "engine_args": engine_args}
     with VllmWorker(settings, work_dir, python) as worker:
@@ -51,9 +52,6 @@ def evaluate_in_vllm(head_dir: str | Path, target_dir: str, prompts: list[list[i
                      engine_args: dict | None = None, show=print) -> dict[str, Any]:
     """The report's `vllm` section for the native head at `head_dir` (see the module docstring). `work_dir` receives
     the export and each engine's log."""
-    from mtp_train.export.exporter import export_head
-    from mtp_train.heads.io import read_head_config
-
     head_config = read_head_config(head_dir)
     if head_config.kind not in VLLM_FORMATS:
         raise UserError(f"{head_dir}: no vLLM format serves a {head_config.kind} head")

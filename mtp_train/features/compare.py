@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from mtp_train.errors import UserError
 from mtp_train.features.format import decode_hidden, load_manifest
@@ -90,8 +91,6 @@ class CacheComparison:
 
 
 def _split_samples(root: Path, manifest: dict, split: str) -> dict[int, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
     samples: dict[int, dict[str, torch.Tensor]] = {}
     for record in manifest["splits"][split]["shards"]:
         t = load_file(root / record["name"])

@@ -16,9 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
 from tqdm import tqdm
 
 from mtp_train.features.format import MANIFEST_FILENAME, load_manifest
+from mtp_train.features.reader import FeatureReader
 from mtp_train.fileio import atomic_write_bytes, file_sha256, safetensors_bytes
 from mtp_train.heads.vocab import coverage, select_draft_vocab
 
@@ -42,8 +45,6 @@ def count_next_tokens(
 ) -> torch.Tensor:
     """[V] int64: how often each target id is the label of a counted row over the training split's features (with
     `world_size` > 1: over this rank's share, samples rank, rank + world_size, ...; sum the ranks' counts)."""
-    from mtp_train.features.reader import FeatureReader
-
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if source == "target" and lm_head_weight is None and not load_manifest(Path(features_dir)).get("target_argmax"):
@@ -88,8 +89,6 @@ def load_or_count(
     """Cached `count_next_tokens`: read the counts file when it matches the current feature manifest, else count
     and write it. `distributed`: every rank of the initialized process group calls this; they split the counting,
     sum it, and rank 0 writes the file."""
-    from safetensors import safe_open
-
     features_dir = Path(features_dir)
     path = counts_path(features_dir, source)
     digest = file_sha256(features_dir / MANIFEST_FILENAME)
@@ -102,8 +101,6 @@ def load_or_count(
                     return counts
     rank, world_size = 0, 1
     if distributed:
-        import torch.distributed as dist
-
         rank, world_size = dist.get_rank(), dist.get_world_size()
     counts = count_next_tokens(features_dir, source, vocab_size, lm_head_weight, progress=progress and rank == 0,
                                rank=rank, world_size=world_size)

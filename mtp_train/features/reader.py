@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from mtp_train.errors import UserError
 from mtp_train.features.checks import is_shard_name, shard_header, shard_problems, split_problems
@@ -66,9 +67,12 @@ class FeatureReader:
         if split not in self.manifest["splits"]:
             raise UserError(f"{self.root}: no split {split!r} (has {', '.join(self.manifest['splits'])})")
         data_tokenizer = self.manifest["fingerprints"]["tokenizer"]
+        if data_tokenizer is None:
+            raise UserError(f"{manifest_path}: fingerprints.tokenizer is null: a cache written by an older mtp-train "
+                            "(before caches recorded the tokenizer); run `mtp-train precompute` again")
         for key, value in (expected_fingerprints or {}).items():
             have = self.manifest["fingerprints"].get(key)
-            if value is None or have == value or (key == "tokenizer" and have is None):  # None: an older cache
+            if value is None or have == value:
                 continue
             if key == "tokenizer":
                 raise UserError(tokenizer_mismatch(manifest_path, have, self.manifest.get("tokenizer_source"),
@@ -77,7 +81,7 @@ class FeatureReader:
                 f"{manifest_path}: fingerprint '{key}' is {have}, expected {value} "
                 "(features were computed for another target/data; re-run precompute for this recipe)"
             )
-        if target_dir is not None and data_tokenizer is not None and "tokenizer" not in (expected_fingerprints or {}):
+        if target_dir is not None and "tokenizer" not in (expected_fingerprints or {}):
             target_tokenizer = tokenizer_fingerprint(target_dir, chat_template)
             if target_tokenizer != data_tokenizer:
                 raise UserError(tokenizer_mismatch(manifest_path, data_tokenizer,
@@ -143,7 +147,6 @@ class FeatureReader:
     def _open(self, shard_id: int):
         if shard_id in self._handles:
             return self._handles[shard_id]
-        from safetensors import safe_open
 
         record = self.records[shard_id]
         path = self.root / record["name"]
@@ -223,6 +226,10 @@ class FeatureReader:
                 "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("world_size", self.world_size) != self.world_size or state.get("seed", self.seed) != self.seed:
+        missing = [key for key in ("epoch", "batch_in_epoch", "seed", "world_size") if key not in state]
+        if missing:
+            raise UserError(f"data position without {', '.join(missing)}: saved by an older mtp-train; start over "
+                            "with --resume never or another train.run_dir")
+        if state["world_size"] != self.world_size or state["seed"] != self.seed:
             raise UserError("data position was saved with another world size or seed; cannot resume it exactly")
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])

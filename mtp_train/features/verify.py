@@ -14,12 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from tqdm import tqdm
 
 from mtp_train.features.checks import is_shard_name, shard_header, shard_problems, split_problems
 from mtp_train.features.format import MANIFEST_FILENAME, decode_hidden, load_manifest
 from mtp_train.errors import UserError
 from mtp_train.fileio import file_sha256
 from mtp_train.data.prepared import tokenizer_fingerprint, tokenizer_mismatch
+from mtp_train.fingerprint import target_fingerprint
 
 
 @dataclass
@@ -38,8 +41,6 @@ class VerifyReport:
 def _check_shard(root: Path, record: dict[str, Any], manifest: dict[str, Any], report: VerifyReport) -> list[int]:
     """Checks one shard (sha256, its header against the manifest (features/checks.py), offsets, NaN/Inf); returns
     the sample indices it holds (empty if unreadable)."""
-    from safetensors import safe_open
-
     name = record["name"]
     path = root / name
     if not path.is_file():
@@ -85,8 +86,6 @@ def _check_shard(root: Path, record: dict[str, Any], manifest: dict[str, Any], r
 
 
 def verify_features(root: str | Path, target_dir: str | Path | None = None, progress: bool = True) -> VerifyReport:
-    from mtp_train.fingerprint import target_fingerprint
-
     root = Path(root)
     report = VerifyReport()
     try:
@@ -103,7 +102,6 @@ def verify_features(root: str | Path, target_dir: str | Path | None = None, prog
         report.problems.append(problem)
     for split in manifest["splits"]:
         report.problems.extend(split_problems(root, manifest, split))
-    from tqdm import tqdm
 
     records = [(split, r) for split, info in manifest["splits"].items() for r in info["shards"]]
     seen: dict[str, dict[int, list[str]]] = {split: {} for split in manifest["splits"]}

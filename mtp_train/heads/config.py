@@ -166,7 +166,8 @@ class HeadConfig:
 
     @staticmethod
     def from_dict(data: dict[str, Any], source: str = "head config") -> "HeadConfig":
-        """Build from a dict (e.g. parsed JSON). Unknown or missing keys are UserErrors naming them and `source`."""
+        """Build from a dict written by `to_dict` (head_config.json, an export's head_config): every field present.
+        Unknown or missing keys are UserErrors naming them and `source`."""
         if not isinstance(data, dict):
             raise UserError(f"{source}: expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(HeadConfig)}
@@ -174,10 +175,11 @@ class HeadConfig:
         if unknown:
             expected = ", ".join(sorted(known))
             raise UserError(f"{source}: unknown key(s) {', '.join(unknown)}; expected some of {expected}")
-        required = ("hidden_size", "vocab_size", "model_type")
-        missing = [key for key in required if key not in data]
+        missing = [f.name for f in fields(HeadConfig) if f.name not in data]
         if missing:
-            raise UserError(f"{source}: missing key(s) {', '.join(missing)}")
+            older = not set(missing) & {"hidden_size", "vocab_size", "model_type"}  # keys added since the first head
+            raise UserError(f"{source}: missing key(s) {', '.join(missing)}" + (
+                " (written by an older mtp-train, before those keys existed): train the head again" if older else ""))
         try:
             return HeadConfig(**data)
         except (UserError, TypeError) as err:

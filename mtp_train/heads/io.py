@@ -3,7 +3,7 @@ lm_head) + `<dir>/head_config.json` (the `HeadConfig`, plus `weights_sha256`: th
 saved). Both are written to a temporary name and renamed into place, the weights first.
 
 Loading checks the head's integrity after its structure: model.safetensors must still have the recorded sha256
-(a head saved before checksums were recorded loads with a one-line note), and no floating-point weight may be NaN or
+(a head_config.json without one is refused: written by an older mtp-train), and no floating-point weight may be NaN or
 Inf (`check_finite`, named by tensor and count; also used on everything `export` reads).
 
 Also the one check of a head against its target (`target_mismatches`): export, inspect and every loader use it."""
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from mtp_train.errors import UserError
 from mtp_train.fileio import atomic_write_bytes, file_sha256, json_bytes, safetensors_bytes
@@ -33,8 +33,6 @@ CONFIG_FILENAME = "head_config.json"
 TARGET_KEYS = ("hidden_size", "vocab_size", "model_type")  # what a head records of its target, besides the fingerprint
 DRAFT_VOCAB_DTYPES = {"d2t": torch.int64, "t2d": torch.bool}  # a reduced draft vocabulary's tensors
 WEIGHTS_SHA256_KEY = "weights_sha256"  # head_config.json: hex sha256 of model.safetensors, written by save_head
-
-log = logging.getLogger(__name__)
 
 
 def _is_frozen_key(key: str) -> bool:
@@ -112,8 +110,6 @@ def check_head_state(
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, as stored; UserError when it is missing or unreadable."""
-    from safetensors import safe_open
-
     if not path.is_file():
         raise UserError(f"{path}: not found")
     try:
@@ -152,8 +148,8 @@ def head_config_bytes(head_config: HeadConfig, weights_sha256: str | None) -> by
 
 
 def read_head_record(directory: str | os.PathLike[str]) -> tuple[HeadConfig, str | None]:
-    """(the HeadConfig, the weights_sha256 recorded next to it or None for a head saved before checksums were
-    recorded) from `<directory>/head_config.json`; UserError naming the file when it is missing or invalid."""
+    """(the HeadConfig, the weights_sha256 recorded next to it; None when absent, which `check_integrity` refuses)
+    from `<directory>/head_config.json`; UserError naming the file when it is missing or invalid."""
     path = Path(directory) / CONFIG_FILENAME
     if not path.is_file():
         raise UserError(f"{path}: not found (expected a head directory with {CONFIG_FILENAME} and {WEIGHTS_FILENAME})")
@@ -207,11 +203,13 @@ def check_integrity(
     weights_path: Path, state: dict[str, torch.Tensor], recorded_sha256: str | None, record_source: str
 ) -> None:
     """A structurally valid head file against the sha256 recorded when it was saved (`recorded_sha256`, from
-    `record_source`; None: not recorded, one-line note), then its weights for NaN/Inf. UserErrors name the file."""
+    `record_source`; None: not recorded, refused), then its weights for NaN/Inf. UserErrors name the file."""
     summary = nonfinite_summary(state)
     if recorded_sha256 is None:
-        log.warning("%s: no %s recorded in %s (saved before heads carried a checksum); its bytes are not verified",
-                    weights_path, WEIGHTS_SHA256_KEY, record_source)
+        raise UserError(
+            f"{record_source}: no {WEIGHTS_SHA256_KEY}: a head saved by an older mtp-train (before heads carried a "
+            f"checksum of {weights_path.name}); train it again with this version"
+        )
     else:
         actual = file_sha256(weights_path)
         if actual != recorded_sha256:

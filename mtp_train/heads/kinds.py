@@ -3,13 +3,13 @@ place that builds a head from its config (training, loading, the export checks) 
 
 from __future__ import annotations
 
+from mtp_train.heads.draft_head import DraftHead
+from mtp_train.heads.eagle3 import Eagle3Head
+
 
 def head_class(kind: str) -> type:
     """The nn.Module class that builds heads of `kind` (a `DraftHead` or its subclass)."""
     if kind == "eagle3":
-        from mtp_train.heads.eagle3 import Eagle3Head
-
         return Eagle3Head
-    from mtp_train.heads.draft_head import DraftHead
 
     return DraftHead

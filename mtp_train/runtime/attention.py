@@ -94,7 +94,7 @@ class BatchInfo:
         describes end + reserve_ahead positions, `kv_lens` the attended ones — for forwards that run further steps in
         the same kernel call (a head's greedy draft chain, `mtp_head_chain`); not a batch for FlashInfer's plan."""
         # Built in Python lists, one tensor per field: a decode step calls this once per forward (the target's, and
-        # a draft head's), and per-sequence tensor ops cost more than the few numbers they compute (~0.2 ms).
+        # a draft head's), and per-sequence tensor ops cost more than the few numbers they compute.
         page_size = allocator.page_size
         positions, slots, qo_indptr, page_indptr, page_indices, last_page_len, kv_lens = [], [], [0], [0], [], [], []
         for seq, count in zip(sequences, new_token_counts, strict=True):
@@ -206,8 +206,8 @@ def _small_query_attention(
     scale: float,
 ) -> torch.Tensor:
     """Masked attention for a few queries per sequence as two batched matmuls in fp32 (scores and softmax in fp32,
-    like SDPA's accumulation). On CPU, SDPA's flash kernel parallelizes over queries and is 2-10x slower than this
-    for padded decode batches (measured: batch 64, one query, 116 keys: 6.7 ms vs 2.4 ms per layer)."""
+    like SDPA's accumulation). On CPU, SDPA's flash kernel parallelizes over queries, which makes it slower than
+    this for padded decode batches of one or a few queries (figures in docs/tuning.md)."""
     batch, heads, n_q, head_dim = q.shape
     kv_heads, kv = k.shape[1], k.shape[2]
     group = heads // kv_heads  # query heads per KV head (GQA)
@@ -244,7 +244,7 @@ class TorchAttention(AttentionBackend):
                 pages = page_indices[page_indptr[b] : page_indptr[b + 1]]
                 slots = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)[: batch.kv_lens[b]]
                 # Pages that follow each other in the pool (the usual case for a request allocated step by step)
-                # are read as one slice, a view; otherwise the slots are gathered (index_select: ~3× faster than
+                # are read as one slice, a view; otherwise the slots are gathered (index_select, faster than
                 # advanced indexing on CPU).
                 contiguous = bool(slots.numel()) and int(slots[-1] - slots[0]) == slots.numel() - 1 and bool(
                     (slots[1:] > slots[:-1]).all())

@@ -6,6 +6,7 @@ checks that the architecture and options are ones the runtime implements, and sa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,7 +137,7 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
 
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Read and validate `model_dir/config.json`. Raises UserError naming the file and key on anything unsupported."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # local: slow to import; `mtp-train --help` imports config
 
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
@@ -148,7 +149,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 def config_from_dict(raw: dict[str, Any], source: str) -> ModelConfig:
     """`load_config`'s parsing and checks for a config already in memory (e.g. the target config an export carries);
     UserErrors name `source`."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # local: slow to import; `mtp-train --help` imports config
 
     rest = {k: v for k, v in raw.items() if k != "model_type"}
     return _parse(raw, source, lambda: AutoConfig.for_model(raw.get("model_type"), **rest))
@@ -241,8 +242,6 @@ def _deepseek_options(model_type: str, raw: dict[str, Any], hf: Any, rope_params
                       config_path: Any) -> DeepseekOptions:
     """The MLA/MoE fields of a DeepSeek config, with the combinations transformers' models compute (the parity
     reference) checked; anything else is a UserError naming the key."""
-    import math
-
     def fail(key: str, value: Any, expected: str) -> UserError:
         return UserError(f"{config_path}: {key}={value!r} is not supported for {model_type}; expected {expected}")
 

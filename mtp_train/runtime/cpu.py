@@ -2,7 +2,7 @@
 
 glibc serves allocations above its mmap threshold with fresh `mmap`s, and returns freed heap tops above its trim
 threshold to the kernel; both make every large temporary (vocabulary logits, MLP activations) page-fault anew, which
-showed up as ~30% system time in training. We pin the mmap threshold at its maximum (32 MiB, so it no longer adapts)
+showed up as system time in training (docs/tuning.md). We pin the mmap threshold at its maximum (32 MiB, so it no longer adapts)
 and keep freed heap memory, so temporaries below 32 MiB are recycled from the heap.
 """
 

@@ -19,9 +19,8 @@ MLA, per token t: `c_t = kv_a_layernorm(kv_a_proj_with_mqa(x_t)[:r])` (r = kv_lo
   cached latents once as a single shared key/value head of width r + rope (MQA), never expanding them. Its cost per
   query-key pair is heads * (2r + rope) against the expanded form's per-key up-projection of r * heads *
   (qk_nope + v): at one query per sequence the absorbed form is ~100x fewer multiply-adds for V2-Lite's shapes, at a
-  whole prompt the expanded one wins (vLLM and SGLang make the same split). Both agree to fp32 rounding. Measured
-  here (one V2-Lite-shaped attention layer, fp32, 1 thread, AMD EPYC Zen 4 shared with other jobs, one sequence, one decode step): absorbed
-  5.2 ms vs expanded 33.8 ms at 512 cached tokens, 7.3 ms vs 159.7 ms at 2048.
+  whole prompt the expanded one wins (vLLM and SGLang make the same split). Both agree to fp32 rounding (step
+  times of the two forms: docs/tuning.md, "Figures moved from docstrings").
 
 RoPE: DeepSeek stores the rope dimensions as interleaved pairs (V2 always, V3 with `rope_interleave`); the pairs are
 de-interleaved before the rotate-half rotation (transformers' V3 formula; V2's complex-number rotation differs only by

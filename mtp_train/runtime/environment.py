@@ -11,6 +11,19 @@ import platform
 import sys
 from importlib import metadata
 
+import torch
+
+from mtp_train.cpu_kinds import run_as_note
+from mtp_train.runtime.hardware import (
+    blas_summary,
+    cpu_facts,
+    cuda_devices,
+    measure_matmul_gflops,
+    measure_read_bandwidth_gbs,
+)
+from mtp_train.runtime.kernels import kernels_summary
+from mtp_train.runtime.precision import resolve_precision
+
 PACKAGES = ("mtp_train", "torch", "transformers", "deepspeed", "datasets", "safetensors", "accelerate",
             "flashinfer-python", "wandb")
 
@@ -23,18 +36,6 @@ def _version(name: str) -> str:
 
 
 def collect_env(measure: bool = True, reprobe: bool = False) -> dict:
-    import torch
-
-    from mtp_train.runtime.hardware import (
-        blas_summary,
-        cpu_facts,
-        cuda_devices,
-        measure_matmul_gflops,
-        measure_read_bandwidth_gbs,
-    )
-    from mtp_train.runtime.kernels import kernels_summary
-    from mtp_train.runtime.precision import resolve_precision
-
     facts = cpu_facts()
     devices = cuda_devices()
     device = torch.device("cuda" if devices else "cpu")
@@ -66,8 +67,6 @@ def collect_env(measure: bool = True, reprobe: bool = False) -> dict:
 
 
 def format_env(env: dict) -> str:
-    from mtp_train.cpu_kinds import run_as_note
-
     cpu, auto = env["cpu"], env["auto"]
     lines = [
         f"mtp_train {env['packages']['mtp_train']}   python {env['python']}   {env['platform']}",

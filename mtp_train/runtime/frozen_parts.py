@@ -19,11 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from mtp_train.errors import UserError
+from mtp_train.fingerprint import target_fingerprint
 from mtp_train.runtime.attention import AttentionBackend, get_backend
 from mtp_train.runtime.config import ModelConfig, load_config
+from mtp_train.runtime.deepseek import DeepseekDecoderLayer
 from mtp_train.runtime.model import CausalLM, DecoderLayer
 
 INDEX_FILENAME = "model.safetensors.index.json"
@@ -71,8 +74,6 @@ def last_layer_keys(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Checkpoint key -> shape of the last decoder layer's tensors (a DecoderLayer built on the meta device)."""
     with torch.device("meta"):
         if config.deepseek is not None:  # the DeepSeek family's block (runtime/deepseek.py): MLA, dense MLP or MoE
-            from mtp_train.runtime.deepseek import DeepseekDecoderLayer
-
             layer = DeepseekDecoderLayer(config, moe=config.num_hidden_layers > config.deepseek.first_k_dense_replace)
         else:
             layer = DecoderLayer(config)
@@ -83,8 +84,6 @@ def last_layer_keys(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _key_locations(model_dir: Path) -> tuple[dict[str, Path], str]:
     """Checkpoint key -> the safetensors file holding it, and how to name where keys were looked up (the index file,
     or the directory's *.safetensors files). Reads the sharded index or, without one, only the files' headers."""
-    from safetensors import safe_open
-
     index = model_dir / INDEX_FILENAME
     if index.is_file():
         try:
@@ -113,14 +112,12 @@ def read_tensors(model_dir: str | Path, shapes: dict[str, tuple[int, ...]], dtyp
     """The tensors `shapes` names (checkpoint key -> expected shape) from `model_dir`'s safetensors, each converted to
     `dtype` on `device`; only the files holding them are opened and only those keys read. UserErrors name the file
     and key of a missing tensor, a missing shard or a shape that differs from the config's."""
-    from safetensors import safe_open
-
     model_dir = Path(model_dir)
     locations, where = _key_locations(model_dir)
     missing = [key for key in shapes if key not in locations]
     if missing:
         raise UserError(f"{where}: no tensor {missing[0]}" + (f" (nor {', '.join(missing[1:])})" if missing[1:] else "")
-                        + f"; the target's config.json implies it")
+                        + "; the target's config.json implies it")
     by_file: dict[Path, list[str]] = {}
     for key in shapes:
         by_file.setdefault(locations[key], []).append(key)
@@ -161,8 +158,6 @@ def load_frozen_parts(
     on `device`, without building the target: embed_tokens, lm_head (or the embedding itself when
     `tie_word_embeddings`), and with `last_layer` the last decoder layer and the final norm. `fingerprint`: the
     target fingerprint if already known (else computed, `mtp_train.fingerprint.target_fingerprint`)."""
-    from mtp_train.fingerprint import target_fingerprint
-
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise UserError(f"{model_dir}: model directory not found (run `mtp-train fetch-assets` for the default model)")

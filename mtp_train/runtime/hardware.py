@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import time
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -204,8 +205,6 @@ def measure_read_bandwidth_gbs(megabytes: int = 256, budget_s: float = 0.3) -> f
 
 def blas_summary() -> str:
     """torch's BLAS and oneDNN builds in a few words (from `torch.__config__.show()`), e.g. `MKL 2024.2; oneDNN 3.12.0`."""
-    import re
-
     config = torch.__config__.show()
     parts = []
     mkl = re.search(r"Math Kernel Library Version ([0-9.]+)", config)

@@ -34,11 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 
 from mtp_train.errors import UserError
+from mtp_train.runtime.attention import get_backend
 from mtp_train.runtime.config import ModelConfig, load_config, require_runtime
 from mtp_train.runtime.kv_cache import KVCache, PageAllocator
+from mtp_train.runtime.loader import _weight_files, finish_loading, load_model, resolve_device, resolve_dtype
 from mtp_train.runtime.model import MLP, Attention, CausalLM
 
 log = logging.getLogger(__name__)
@@ -103,8 +107,6 @@ class TensorParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the group, in place; returns it."""
         if self.size > 1:
-            import torch.distributed as dist
-
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
@@ -112,7 +114,6 @@ class TensorParallelGroup:
         """The leader's `obj` on every rank of the group."""
         if self.size == 1:
             return obj
-        import torch.distributed as dist
 
         holder = [obj]
         dist.broadcast_object_list(holder, src=self.leader, group=self.group)
@@ -124,7 +125,6 @@ def init_distributed(device: torch.device | None = None):
     single process."""
     if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
         return None
-    import torch.distributed as dist
 
     if not dist.is_initialized():
         use_nccl = torch.cuda.is_available() and (device is None or device.type == "cuda")
@@ -306,11 +306,6 @@ def load_model_tensor_parallel(model_dir: str | Path, group: TensorParallelGroup
     """`runtime.loader.load_model` for one rank of `group`: reads only the rank's slices of the split tensors
     (safetensors slices, nothing else materialized), then the decode path as `load_model` sets it. Size 1:
     `load_model` itself."""
-    from safetensors import safe_open
-
-    from mtp_train.runtime.attention import get_backend
-    from mtp_train.runtime.loader import _weight_files, finish_loading, load_model, resolve_device, resolve_dtype
-
     if group.size == 1:
         return load_model(model_dir, dtype=dtype, device=device, backend=backend, precision=precision)
     model_dir = Path(model_dir)

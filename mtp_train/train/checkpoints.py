@@ -25,10 +25,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.fileio import OutputLock
+from mtp_train.fileio import OutputLock, atomic_write_text
 
 RUN_ID_FILENAME = "run_id"
 PREVIOUS_RUNS_DIRNAME = "previous-runs"
@@ -51,8 +52,7 @@ def _allowed_globals() -> list:
     and bf16 checkpoints and listing `torch.serialization.get_unsafe_globals_in_checkpoint`): DeepSpeed's loss scaler,
     ZeRO stage enum and tensor-fragment addresses, and numpy's array reconstruction for the numpy RNG state in our
     client state. Each is a plain data holder (no code runs when it is rebuilt)."""
-    import numpy as np
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler  # local: DeepSpeed takes seconds
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
@@ -96,7 +96,7 @@ def safe_torch_load(path: str | os.PathLike[str], map_location=None):
 
 def install_safe_loading(engine) -> None:
     """Make the DeepSpeed engine read its checkpoints through `safe_torch_load` (saving is unchanged)."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # local: slow
 
     class SafeTorchCheckpointEngine(TorchCheckpointEngine):
         """DeepSpeed's torch checkpoint engine, loading with weights_only=True."""
@@ -124,7 +124,7 @@ class CheckpointInfo:
 
     path: Path
     step: int
-    run_id: str | None  # None: written before run ids existed
+    run_id: str | None  # None: not recorded (an older mtp-train's; `check_recorded` refuses it)
     world_size: int | None
     state: dict
 
@@ -137,7 +137,7 @@ def read_checkpoint(path: Path) -> CheckpointInfo | None:
         step = int(state["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    world_size = state.get("world_size", (state.get("reader") or {}).get("world_size"))
+    world_size = state.get("world_size")
     return CheckpointInfo(path, step, state.get("run_id"), None if world_size is None else int(world_size), state)
 
 
@@ -174,12 +174,19 @@ def check_readable(files: list[Path]) -> None:
             raise UnreadableCheckpoint(f"{path}: corrupted (record {bad} fails its CRC)")
 
 
+def check_recorded(checkpoint: CheckpointInfo) -> None:
+    """Refuse a checkpoint whose client state lacks what this trainer records (run_id, world_size, tokens): one
+    written by an older mtp-train."""
+    missing = [key for key in ("run_id", "world_size", "tokens") if checkpoint.state.get(key) is None]
+    if missing:
+        raise UserError(f"{checkpoint.path / 'client_state.json'}: no {' or '.join(missing)}: a checkpoint written by "
+                        "an older mtp-train; start over with --resume never or another train.run_dir")
+
+
 def check_world_size(checkpoint: CheckpointInfo, world_size: int, zero_stage: int) -> None:
     """Refuse a checkpoint saved by another number of ranks, naming the number it needs."""
     saved = checkpoint.world_size
-    if saved is None and zero_stage > 0:
-        saved = len(list(checkpoint.path.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))) or None
-    if saved is not None and saved != world_size:
+    if saved != world_size:
         how = (f"ZeRO-{zero_stage} split its optimizer state into {saved} partitions, and " if zero_stage else "")
         raise UserError(f"{checkpoint.path}: saved by {saved} ranks, this run has {world_size}; {how}the data "
                         f"position is per rank. Resume with {saved} ranks in all (torchrun --nproc_per_node × "
@@ -204,8 +211,6 @@ def start_new_run(run_dir: Path) -> tuple[str, Path | None]:
     """Move what a previous run left in `run_dir` (RUN_ARTIFACTS) into `previous-runs/<time>/` and write a new run
     id. Returns the id and the backup directory (None when there was nothing to move). Each move is a rename, so a
     kill in between leaves either the old file or its backup, never a mix that resumes."""
-    from mtp_train.fileio import atomic_write_text
-
     run_dir.mkdir(parents=True, exist_ok=True)
     present = [name for name in RUN_ARTIFACTS if (run_dir / name).exists()]
     backup = None

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp_train.runtime.attention import BatchInfo
+from mtp_train.runtime.cpu import CPU_BLOCK_BYTES
 
 
 @dataclass
@@ -156,8 +157,6 @@ def distill_sums(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
     if draft_hidden.device.type == "cpu":  # keep each [rows, width] fp32 block below glibc's mmap threshold
-        from mtp_train.runtime.cpu import CPU_BLOCK_BYTES
-
         # The widest block: [rows, N] when the stored argmax spares the full-vocabulary target logits, else [rows, V].
         width = draft_ids.numel() if target_top is not None else weight.shape[0]
         chunk_size = max(1, min(chunk_size, CPU_BLOCK_BYTES // (4 * width)))

@@ -13,6 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mtp_train.errors import UserError
+from mtp_train.fileio import write_json_atomic
+from mtp_train.recipe import recipe_to_dict
+
 log = logging.getLogger(__name__)
 
 
@@ -38,9 +42,7 @@ class Tracker:
             log.warning("W&B: no API key found; logging offline (sync later with `wandb sync %s/wandb`)", run_dir)
             mode = "offline"
         if mode != "disabled":
-            import wandb
-
-            from mtp_train.recipe import recipe_to_dict
+            import wandb  # local: wandb is slow to import and only needed when tracking is on
 
             run_id_file = run_dir / "wandb_run_id"
             run_id = run_id_file.read_text().strip() if resume and run_id_file.is_file() else None
@@ -71,14 +73,13 @@ class Tracker:
         """Log PNG plots (and nothing else) to W&B as images."""
         if not self.enabled or self.wandb_run is None:
             return
-        import wandb
+        import wandb  # local: wandb is slow to import and only needed when tracking is on
 
         self.wandb_run.log({p.stem: wandb.Image(str(p)) for p in paths if p.suffix == ".png"}, step=step)
 
     def finish(self, summary: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        from mtp_train.fileio import write_json_atomic
 
         write_json_atomic(self.run_dir / "summary.json", summary)
         if self.wandb_run is not None:
@@ -92,8 +93,6 @@ def read_metric_rows(metrics_path: Path) -> list[dict[str, Any]]:
     """The rows of a run's `metrics.jsonl` ([] without the file). A torn last line (a kill while it was appended) is
     dropped with a warning; any other line that is not a JSON object with a `step` is a UserError naming the file and
     line."""
-    from mtp_train.errors import UserError
-
     if not metrics_path.is_file():
         return []
     lines = metrics_path.read_bytes().split(b"\n")

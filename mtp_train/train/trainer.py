@@ -13,6 +13,7 @@ train/checkpoints.py.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import os
@@ -24,17 +25,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
+import yaml
+from tqdm import tqdm
 
+from mtp_train.data.prepared import tokenizer_fingerprint
 from mtp_train.errors import UserError
+from mtp_train.features.draft_vocab import load_or_count
 from mtp_train.features.format import cache_identity
-from mtp_train.fileio import read_json_object, replace_directory
-from mtp_train.recipe import flatten_recipe
+from mtp_train.features.reader import FeatureReader
+from mtp_train.fileio import atomic_write_text, read_json_object, replace_directory, write_json_atomic
+from mtp_train.heads import head_class, save_head
+from mtp_train.heads.vocab import coverage, select_draft_vocab
+from mtp_train.recipe import RESOLVED_RECIPE_FILENAME, flatten_recipe, recipe_to_dict, save_resolved, with_precision
+from mtp_train.runtime.frozen_parts import load_frozen_parts
+from mtp_train.runtime.precision import resolve_section
 from mtp_train.train.checkpoints import (
     CheckpointInfo,
     RunDirLock,
     UnreadableCheckpoint,
     check_readable,
+    check_recorded,
     check_world_size,
     disk_full_message,
     files_to_load,
@@ -46,7 +59,9 @@ from mtp_train.train.checkpoints import (
     run_checkpoints,
     start_new_run,
 )
-from mtp_train.train.tracking import read_metric_rows
+from mtp_train.train.losses import add_sums, metric_means, metric_sums, unrolled_losses
+from mtp_train.train.tracking import Tracker, truncate_metrics
+from mtp_train.train.validation import first_step_inputs, validate
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +136,10 @@ def deepspeed_config(recipe, world_size: int, use_bf16: bool) -> dict[str, Any]:
 
 
 def _rng_state() -> dict[str, Any]:
-    import numpy as np
-
     return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -140,8 +151,6 @@ def _skip_deepspeed_shm_build() -> None:
     torch.distributed (gloo). The build runs in every fresh environment (CI, a fresh clone's `make demo`; its cost in
     docs/tuning.md), so the trainer tells DeepSpeed the op is unavailable, which is DeepSpeed's own fallback when the
     op cannot be built."""
-    import importlib
-
     # import_module, not `import deepspeed.comm.torch as ...`: the package's `torch` attribute is the torch library.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
@@ -149,9 +158,6 @@ def _skip_deepspeed_shm_build() -> None:
 def _choose_draft_vocab(head, target, features_dir: Path, source: str, is_main: bool) -> float:
     """Set the head's draft vocabulary to the top-N labels of the training features (counted by all ranks together
     and cached next to the features); returns the coverage of the counted labels."""
-    from mtp_train.features.draft_vocab import load_or_count
-    from mtp_train.heads.vocab import coverage, select_draft_vocab
-
     weight = target.lm_head.weight.detach() if source == "target" else None
     vocab_size = target.config.vocab_size
     with torch.inference_mode():  # the ranks split the counting (or all read the cached counts)
@@ -187,7 +193,7 @@ class TrainingRun:
     engine: Any  # deepspeed engine; engine.module is the head (a DraftHead, or an Eagle3Head)
     total_steps: int
     draft_vocab_coverage: float | None
-    run_id: str | None = None  # set by resume_from_checkpoint; None: resumed a checkpoint older than run ids
+    run_id: str | None = None  # set by resume_from_checkpoint
     tokens_before: int = 0  # tokens (all ranks) trained on before this session, from the resumed checkpoint
 
     @property
@@ -220,15 +226,7 @@ def setup(recipe) -> TrainingRun:
     """Process group (gloo on CPU, NCCL on CUDA; alone too), compute dtype, the target's frozen parts (never the whole
     target: `runtime.frozen_parts`), feature readers, head (draft
     vocabulary chosen from the training labels), AdamW + LR schedule inside a DeepSpeed engine."""
-    import deepspeed
-    import torch.distributed as dist
-
-    from mtp_train.features.reader import FeatureReader
-    from mtp_train.data.prepared import tokenizer_fingerprint
-    from mtp_train.heads import head_class
-    from mtp_train.recipe import with_precision
-    from mtp_train.runtime.frozen_parts import load_frozen_parts
-    from mtp_train.runtime.precision import resolve_section
+    import deepspeed  # local: DeepSpeed takes seconds to import; only setup and the head save need it
 
     train = recipe.train
     use_cuda = torch.cuda.is_available() and recipe.target.device in ("auto", "cuda")
@@ -294,8 +292,6 @@ def _choose_checkpoint(run: TrainingRun, resume: str) -> CheckpointInfo | None:
     """The checkpoint to resume from: "auto" → this run's newest checkpoint whose files every rank can read (an
     unreadable one — truncated by a kill or a full disk — is skipped with a note), "never" → None, else the named
     checkpoint directory (refused by name when unreadable). A checkpoint saved by another world size is refused."""
-    import torch.distributed as dist
-
     if resume == "never":
         return None
     if resume == "auto":
@@ -307,6 +303,7 @@ def _choose_checkpoint(run: TrainingRun, resume: str) -> CheckpointInfo | None:
         candidates = [named]
     zero_stage = run.recipe.train.zero_stage
     for candidate in candidates:
+        check_recorded(candidate)
         check_world_size(candidate, run.world_size, zero_stage)
         try:
             check_readable(files_to_load(candidate.path, run.rank, zero_stage))
@@ -328,13 +325,9 @@ def _choose_checkpoint(run: TrainingRun, resume: str) -> CheckpointInfo | None:
     return None
 
 
-def _tokens_before(checkpoint: CheckpointInfo, metrics_path: Path) -> int:
-    """Tokens trained on up to the checkpoint: its client state's count, or (checkpoints written before that count
-    existed) the sum over the metric rows up to its step."""
-    if "tokens" in checkpoint.state:
-        return int(checkpoint.state["tokens"])
-    rows = read_metric_rows(metrics_path)
-    return sum(int(r.get("tokens", 0)) for r in rows if r.get("step", 0) <= checkpoint.step)
+def _tokens_before(checkpoint: CheckpointInfo) -> int:
+    """Tokens trained on up to the checkpoint: its client state's count (`check_recorded` saw it there)."""
+    return int(checkpoint.state["tokens"])
 
 
 def trained_on(run: TrainingRun) -> dict[str, str]:
@@ -368,17 +361,9 @@ def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool =
     directory) into the engine, the reader and the RNGs; prepare the run dir (resolved recipe; metrics cut back to
     the checkpoint, or — for a new run — the previous run's files moved aside and a new run id). Returns the
     optimizer step to start from and whether a checkpoint was loaded."""
-    import torch.distributed as dist
-
-    from mtp_train.fileio import atomic_write_text
-    from mtp_train.recipe import RESOLVED_RECIPE_FILENAME, recipe_to_dict, save_resolved
-    from mtp_train.train.tracking import truncate_metrics
-
     chosen = _choose_checkpoint(run, resume)
     start_step = 0
     if chosen is not None:
-        import yaml
-
         checkpoint = chosen.path
         saved_recipe_path = run.run_dir / RESOLVED_RECIPE_FILENAME
         if saved_recipe_path.is_file():
@@ -416,7 +401,7 @@ def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool =
             if backup is not None:
                 print(f"train: a new run in {run.run_dir}: the previous run's checkpoints, metrics, summary and "
                       f"head were moved to {backup} (delete it when no longer needed)", flush=True)
-        elif run_id[0] is not None and read_run_id(run.run_dir) != run_id[0]:
+        elif read_run_id(run.run_dir) != run_id[0]:
             atomic_write_text(run.run_dir / "run_id", run_id[0] + "\n")  # resumed one of its older checkpoints
         if continues:  # this run's checkpoints after the one resumed belong to the abandoned continuation
             newer = [c for c in run_checkpoints(run.checkpoint_dir, run_id[0]) if c.step > chosen.step]
@@ -428,7 +413,7 @@ def resume_from_checkpoint(run: TrainingRun, resume: str = "auto", force: bool =
         save_resolved(run.recipe, run.run_dir)
         if chosen is not None:
             truncate_metrics(run.run_dir / "metrics.jsonl", start_step)
-            run.tokens_before = _tokens_before(chosen, run.run_dir / "metrics.jsonl") if continues else 0
+            run.tokens_before = _tokens_before(chosen) if continues else 0
     dist.broadcast_object_list(run_id, src=0)
     run.run_id = run_id[0]
     dist.barrier()
@@ -439,10 +424,6 @@ def save_checkpoint(run: TrainingRun, step: int, tag: str | None = None, tokens:
     """DeepSpeed's checkpoint plus our client state (step, run id, world size, tokens so far, reader position, every
     rank's RNGs; written last, so a checkpoint without it is incomplete); keeps this run's last `train.keep_last`.
     A full disk removes the partial checkpoint and says what to free. Collective."""
-    import torch.distributed as dist
-
-    from mtp_train.fileio import write_json_atomic
-
     tag = tag or f"step-{step}"
     rngs = [None] * run.world_size
     dist.all_gather_object(rngs, _rng_state())
@@ -493,11 +474,6 @@ class StepResult:
 def train_step(run: TrainingRun, data) -> StepResult:
     """`train.grad_accum` micro-batches (unrolled losses → backward → DeepSpeed step, which reduces gradients across
     ranks at the accumulation boundary, clips and runs AdamW), then the metric sums reduced over ranks."""
-    import torch.distributed as dist
-
-    from mtp_train.train.losses import add_sums, metric_sums, unrolled_losses
-    from mtp_train.train.validation import first_step_inputs
-
     accum = run.recipe.train.grad_accum
     sums: dict[str, float] = {"loss": 0.0, "tokens": 0.0}
     seconds = dict.fromkeys(("data", "forward", "backward", "step"), 0.0)
@@ -535,9 +511,7 @@ def save_head_files(run: TrainingRun) -> Path:
     """The head as native safetensors + head_config.json in `<run dir>/head`, stored in bf16 whatever the compute
     dtype was (engines serve heads in bf16; `export --dtype` changes it), so a head trained in fp32 on a CPU is the
     same size as one trained in bf16 on a GPU. Collective under ZeRO-3."""
-    import deepspeed
-
-    from mtp_train.heads import save_head
+    import deepspeed  # local: DeepSpeed takes seconds to import; only setup and the head save need it
 
     head_dir = run.run_dir / "head"
     gathered = (deepspeed.zero.GatheredParameters(list(run.engine.module.parameters()), modifier_rank=None)
@@ -564,13 +538,6 @@ def run_training(recipe, resume: str = "auto", force: bool = False, show_progres
 
 def _train(recipe, resume: str, force: bool, show_progress: bool) -> Path:
     """run_training's body, under the run dir's lock."""
-    import torch.distributed as dist
-    from tqdm import tqdm
-
-    from mtp_train.train.losses import metric_means
-    from mtp_train.train.tracking import Tracker
-    from mtp_train.train.validation import validate
-
     run = setup(recipe)
     start_step, resumed = resume_from_checkpoint(run, resume, force)
     train = run.recipe.train

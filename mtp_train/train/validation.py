@@ -12,6 +12,7 @@ import torch
 
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
+from mtp_train.train.losses import add_sums, metric_means, metric_sums, step_losses, unrolled_losses
 
 
 def first_step_inputs(batch, device: torch.device) -> torch.Tensor | None:
@@ -26,8 +27,6 @@ def first_step_inputs(batch, device: torch.device) -> torch.Tensor | None:
 def validate(head, reader, loss_kwargs: dict, device: torch.device, page_size: int = 16) -> dict[str, float | int]:
     """`step{k}/<name>` means over the held-out split (train/losses.py STEP_METRICS, the same meaning as in
     training) and `step{k}/rows`."""
-    from mtp_train.train.losses import add_sums, metric_means, metric_sums, step_losses, unrolled_losses
-
     was_training = head.training
     head.eval()
     sums: dict[str, float] = {}

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from mtp_train.vllm_engine.engine import VllmWorker
 
@@ -49,8 +50,6 @@ class VllmCapture:
         return self.worker.start()
 
     def capture(self, samples: list[list[int]]) -> list[torch.Tensor]:
-        from safetensors.torch import load_file
-
         files = self.worker.request({"op": "capture", "samples": samples}, "files")
         if len(files) != len(samples):
             raise RuntimeError(f"vLLM wrote {len(files)} hidden-state files for {len(samples)} samples")

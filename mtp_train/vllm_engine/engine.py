@@ -5,6 +5,7 @@ an error names it with its last lines."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
@@ -51,8 +52,6 @@ def find_vllm_python(configured: str | None) -> str:
 def _die_with_parent() -> None:
     """In the worker, before exec: the kernel sends it SIGTERM when the process that started it dies (kill -9
     included), and the worker then ends its process group, so a killed precompute leaves no engine behind."""
-    import ctypes
-
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):

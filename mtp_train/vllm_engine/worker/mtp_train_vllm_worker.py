@@ -122,6 +122,8 @@ def main() -> int:
 
     try:
         settings = json.loads(sys.stdin.readline())
+        # vLLM is imported here and in the engine builders, inside this try: a failed import is answered with
+        # the {"error": ...} reply the caller reads, not a bare traceback.
         import vllm
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
