@@ -21,12 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
+from mtp_train.data.prepared import load_prepared, tokenizer_fingerprint, tokenizer_mismatch
 from mtp_train.errors import UserError
 from mtp_train.features.format import (
     FORMAT_VERSION,
     MANIFEST_FILENAME,
+    decode_hidden,
+    encode_hidden,
     load_manifest,
     pack_batches,
     progress_path,
@@ -34,6 +40,7 @@ from mtp_train.features.format import (
     shard_sha256_ok,
     write_shard,
 )
+from mtp_train.features.vllm_target import VllmTarget, engine_devices
 from mtp_train.fileio import (
     OutputLock,
     check_output_dir,
@@ -42,7 +49,18 @@ from mtp_train.fileio import (
     write_json_atomic,
     write_output_marker,
 )
+from mtp_train.fingerprint import target_fingerprint
+from mtp_train.recipe import canonical_hash, recipe_to_dict, save_resolved, with_precision
+from mtp_train.runtime.attention import BatchInfo
+from mtp_train.runtime.config import load_config
+from mtp_train.runtime.loader import resolve_device
 from mtp_train.runtime.precision import TORCH_DTYPES, resolve_section
+from mtp_train.runtime.tensor_parallel import (
+    ParallelLayout,
+    describe,
+    init_tensor_parallel,
+    load_model_tensor_parallel,
+)
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
@@ -79,7 +97,6 @@ def _target_argmax(weight: torch.Tensor, hidden: torch.Tensor, storage_dtype: st
     """[T] int64: argmax of the target's lm_head (`weight` [V, d]) over H as stored (rounded to `storage_dtype` and
     back), so the label matches what training recomputes from the cache; `chunk_rows` rows at a time ([rows, vocab]
     logits)."""
-    from mtp_train.features.format import decode_hidden, encode_hidden
 
     hidden = hidden.to(weight.device)
     labels = []
@@ -96,7 +113,6 @@ def _settings_hash(recipe) -> str:
     keeps its fingerprint); with the runtime backend without the backend's keys, so that caches written before there
     was a choice of backend keep their fingerprint; with vLLM without where its interpreter lives (its version is
     compared on its own)."""
-    from mtp_train.recipe import canonical_hash, recipe_to_dict
 
     data = recipe_to_dict(recipe)
     section = {**data["precompute"], "storage_dtype": data["precision"]["features"],
@@ -153,7 +169,6 @@ def _check_token_ids(splits: dict[str, Any], vocab_size: int, prepared_dir: Path
     """Refuse prepared data holding a token id the target has no embedding row for (a tokenizer whose added tokens
     lie beyond the model's vocabulary, or ids edited by hand): named here, by split, sample and id, instead of an
     IndexError (or a CUDA device assert) inside the first forward that meets it."""
-    import pyarrow.compute as pc
 
     for split, dataset in splits.items():
         if len(dataset) == 0:
@@ -190,7 +205,6 @@ def _check_finite(hidden: torch.Tensor, aux, batch_lengths: list[int], batch_ind
 
 def _check_tokenizer(recipe, prepared) -> None:
     """Refuse a target whose tokenizer is not the one that tokenized the prepared data (same hash as `prepare`)."""
-    from mtp_train.data.prepared import tokenizer_fingerprint, tokenizer_mismatch
 
     data_tokenizer = prepared.fingerprint.get("tokenizer_hash")
     if data_tokenizer is None:
@@ -228,7 +242,6 @@ class _GlobalProgress:
     file every few seconds (`.heartbeat-r{rank}`); rank 0 adds them to its own."""
 
     def __init__(self, root: Path, env: DistEnv, total_tokens: int, done_tokens: int):
-        from tqdm import tqdm
 
         self.root, self.env = root, env
         self.own_tokens = done_tokens
@@ -323,9 +336,6 @@ class _RuntimeTarget:
     as `vllm_target.VllmTarget`."""
 
     def __init__(self, recipe, env: DistEnv, dist, layout, group):
-        from mtp_train.recipe import with_precision
-        from mtp_train.runtime.loader import resolve_device
-        from mtp_train.runtime.tensor_parallel import describe, load_model_tensor_parallel
 
         device = resolve_device(recipe.target.device)  # "cuda" without CUDA is an error, not a silent CPU run
         if device.type == "cuda":
@@ -353,7 +363,6 @@ class _RuntimeTarget:
 
     def forward(self, ids: list[torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(H [T, d], aux [T, len(aux_layers), d] or None); None on a follower of a tensor-parallel group."""
-        from mtp_train.runtime.attention import BatchInfo
 
         out = self.model(torch.cat(ids).to(self.device),
                          BatchInfo.without_cache(lengths, self.device, kv_dtype=self.kv_round),
@@ -372,10 +381,6 @@ class _RuntimeTarget:
 
 def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
     """`run_precompute` with the cache's lock held by rank 0."""
-    from mtp_train.data.prepared import load_prepared
-    from mtp_train.fingerprint import target_fingerprint
-    from mtp_train.runtime.config import load_config
-    from mtp_train.runtime.tensor_parallel import ParallelLayout, init_tensor_parallel
 
     pre = recipe.precompute
     if pre.backend == "vllm" and recipe.target.tensor_parallel > 1:
@@ -410,8 +415,6 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
 
     split_lengths = {split: _split_lengths(ds) for split, ds in splits.items()}
     if pre.backend == "vllm":
-        from mtp_train.features.vllm_target import VllmTarget, engine_devices
-        from mtp_train.recipe import with_precision
 
         if _vllm_cache_is_complete(recipe, prepared, config, root, env.world_size):
             return root
@@ -453,8 +456,6 @@ def _vllm_cache_is_complete(recipe, prepared, config, root: Path, world_size: in
     resolved to, vLLM's version, the K/V dtype) taken from its manifest, everything else compared as always."""
     if not (root / MANIFEST_FILENAME).is_file():
         return False
-    from mtp_train.fingerprint import target_fingerprint
-    from mtp_train.recipe import with_precision
 
     manifest = load_manifest(root)
     dtype = manifest.get("target_dtype") if recipe.precision.compute == "auto" else recipe.precision.compute
@@ -469,7 +470,6 @@ def _vllm_cache_is_complete(recipe, prepared, config, root: Path, world_size: in
 def _compute(recipe, target, env: DistEnv, dist, layout, group, writer: DistEnv, prepared, splits, split_lengths,
              hidden_size: int, target_fp: str) -> Path:
     """The shards this writer has left, computed by `target` and written; the manifest once all are done."""
-    from mtp_train.recipe import save_resolved
 
     pre = recipe.precompute
     root = recipe.features_dir
@@ -653,7 +653,6 @@ def _init_distributed(env: DistEnv, host_only: bool = False):
     backend: the ranks only coordinate, their engines own the GPUs, and this process must not take one)."""
     if env.world_size <= 1:
         return None
-    import torch.distributed as dist
 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() and not host_only else "gloo"

@@ -30,7 +30,8 @@ from mtp_train.heads.config import HeadConfig
 from mtp_train.heads.vocab import check_draft_ids, d2t_from_ids, ids_from_d2t, t2d_from_ids
 from mtp_train.runtime.attention import AttentionBackend, BatchInfo, TorchAttention
 from mtp_train.runtime.config import ModelConfig
-from mtp_train.runtime.frozen_parts import FrozenParts, frozen_parts_of
+from mtp_train.runtime.deepseek import DeepseekDecoderLayer, LatentCache, mtp_checkpoint_names
+from mtp_train.runtime.frozen_parts import FrozenParts, frozen_parts_of, read_tensors
 from mtp_train.runtime.kv_cache import KVCache, PageAllocator
 from mtp_train.runtime.model import CausalLM, DecoderLayer, DecoderLayers, RMSNorm, RotaryEmbedding
 
@@ -69,7 +70,6 @@ class DraftHead(nn.Module):
         else:
             self.fc = nn.Linear(2 * d, d, bias=head_config.fc_bias)  # no bias: vLLM's EAGLE-1 fc
         if config.deepseek is not None:  # the DeepSeek-V3 MTP module's block: MLA with a dense MLP or the MoE
-            from mtp_train.runtime.deepseek import DeepseekDecoderLayer
 
             moe = head_config.block_mlp == "moe"
             self.layers = DecoderLayers(DeepseekDecoderLayer(config, moe) for _ in range(head_config.num_layers))
@@ -163,8 +163,6 @@ class DraftHead(nn.Module):
         """Load the MTP module a DeepSeek-V3/R1 checkpoint ships (`model.layers.{num_hidden_layers}.*`,
         `num_nextn_predict_layers: 1`): enorm, hnorm, eh_proj, the block, shared_head.norm -> norm. Its own copies of
         embed_tokens and shared_head.head are not read (the head reads the target's frozen ones)."""
-        from mtp_train.runtime.deepseek import mtp_checkpoint_names
-        from mtp_train.runtime.frozen_parts import read_tensors
 
         if model_dir is None:
             raise ValueError("init from_checkpoint needs the target's checkpoint directory (source_dir)")
@@ -193,7 +191,6 @@ class DraftHead(nn.Module):
         (runtime/deepseek.py) for a DeepSeek target's MLA block."""
         c = self.config
         if c.deepseek is not None:
-            from mtp_train.runtime.deepseek import LatentCache
 
             return LatentCache(allocator, len(self.layers), c.deepseek.latent_dim, self.dtype, self.device)
         return KVCache(allocator, len(self.layers), c.num_key_value_heads, c.head_dim, self.dtype, self.device)

@@ -6,13 +6,15 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from mtp_train.errors import UserError
 from mtp_train.fileio import read_json_object
 from mtp_train.runtime.attention import get_backend
 from mtp_train.runtime.config import ModelConfig, load_config, require_runtime
-from mtp_train.runtime.model import CausalLM
 from mtp_train.runtime.decode_runner import apply_decode_weights
+from mtp_train.runtime.deepseek import DeepseekForCausalLM, is_mtp_key
+from mtp_train.runtime.model import CausalLM
 from mtp_train.runtime.precision import DECODE_ONLY_DTYPES, TORCH_DTYPES, Precision
 
 log = logging.getLogger(__name__)
@@ -62,14 +64,12 @@ def _weight_files(model_dir: Path) -> list[Path]:
 def model_class(config: ModelConfig) -> type[CausalLM]:
     """The runtime class of a config's model family: the Llama family's `CausalLM`, or DeepSeek-V2/V3's."""
     if config.deepseek is not None:
-        from mtp_train.runtime.deepseek import DeepseekForCausalLM
 
         return DeepseekForCausalLM
     return CausalLM
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
 
     state: dict[str, torch.Tensor] = {}
     for path in _weight_files(model_dir):
@@ -104,7 +104,6 @@ def load_model(
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
     if config.deepseek is not None:  # DeepSeek's MTP modules (model.layers.{L + k}.*) are heads, not target layers
-        from mtp_train.runtime.deepseek import is_mtp_key
 
         state = {k: v for k, v in state.items() if not is_mtp_key(config, k)}
     with torch.device("meta"):

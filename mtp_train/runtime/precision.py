@@ -41,7 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from mtp_train.errors import UserError
+from mtp_train.fileio import write_json_atomic
 from mtp_train.runtime.hardware import CpuFacts, best_seconds, cpu_facts, measure_matmul_gflops
+from mtp_train.runtime.kernels import cpu_kernels, kernels_variant, unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,6 @@ def time_decode_matmuls(rows_list=PROBE_ROWS, budget_s: float = 0.08) -> dict[in
     accumulation) when it is built, else through `F.linear` (activations cast to bf16, the result back). Also
     `"bfloat16_torch"`: bf16 activations and weights through `F.linear` (a bf16 model's own path; native on CPUs with
     AVX512-BF16 or AMX)."""
-    from mtp_train.runtime.kernels import cpu_kernels
 
     ops = cpu_kernels()
     generator = torch.Generator().manual_seed(0)
@@ -162,7 +163,6 @@ def _cache_path() -> Path:
 
 
 def _probe_key(facts: CpuFacts) -> str:
-    from mtp_train.runtime.kernels import cpu_kernels, kernels_variant
 
     text = json.dumps([PROBE_FORMAT_VERSION, facts.model, facts.family, facts.model_number, sorted(facts.flags),
                        facts.capability, torch.__version__, torch.get_num_threads(), cpu_kernels() is not None,
@@ -190,8 +190,6 @@ def decode_probe(facts: CpuFacts, reprobe: bool = False, timer=None) -> dict[int
     cached[key] = {"cpu": facts.describe(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                    "decode": {str(rows): times for rows, times in measured.items()}}
     try:
-        from mtp_train.fileio import write_json_atomic
-
         write_json_atomic(path, cached)
     except OSError as err:  # a read-only home: the choice is still made, only not remembered
         log.debug("could not cache the precision probe in %s: %s", path, err)
@@ -346,7 +344,6 @@ def _resolve_weights(dtype, decode_dtype, device, facts, cuda_bf16, phases, repr
 def _int8_decode(dtype: str, decode_dtype: str, device: torch.device) -> Precision:
     """`precision.decode: int8`: an fp32 model (what the CPU decode kernels read) whose decode and verify matmuls
     read row-quantized int8 copies of the weights; prefills, precompute and training keep fp32."""
-    from mtp_train.runtime.kernels import cpu_kernels, unavailable_reason
 
     if device.type != "cpu":
         raise UserError(f"precision.decode: {decode_dtype} runs through the CPU decode kernels; on {device.type} "
