@@ -315,8 +315,9 @@ class DecodeStack:
     """A model's whole list of decoder layers, every one with a `DecoderLayerKernel`, run by one kernel call
     (`decode_layers`) for the forwards every layer's kernel path would take (a few rows, a few per sequence, the tree
     mask expressible): the same seven kernel calls per layer, made from C++, so its rows are bit-identical to the
-    per-layer path, without ~7 op dispatches and the Python around them per layer (docs/tuning.md). Not built under tensor parallelism (the layers' partial sums are
-    all-reduced from Python) or when the layers' head layout differs."""
+    per-layer path, without ~7 op dispatches and the Python around them per layer (docs/tuning.md). Not built under
+    tensor parallelism (the layers' partial sums are all-reduced from Python) or when the layers' head layout
+    differs."""
 
     def __init__(self, kernels: list[DecoderLayerKernel]):
         first = kernels[0]

@@ -172,7 +172,8 @@ def _decode_settings(precision: Precision) -> tuple[torch.dtype, int]:
     if not precision.split:
         return precision.torch_dtype, KERNEL_MAX_ROWS
     rows = precision.decode_max_rows
-    if precision.decode_dtype in DECODE_ONLY_DTYPES or (precision.decode_dtype == "bfloat16" and cpu_decode._native_bf16()):
+    native_bf16_gemms = precision.decode_dtype == "bfloat16" and cpu_decode._native_bf16()
+    if precision.decode_dtype in DECODE_ONLY_DTYPES or native_bf16_gemms:
         # Above `rows` this CPU runs bf16 GEMMs (`ManyRowLinear`) or fp32 ones (int8 decode weights), whose rounding
         # differs from the kernels': a verify or a draft tree of more rows than a decode step would see other logits
         # than the decode steps it replaces, and greedy speculative output would part from plain greedy at near-ties.
