@@ -47,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-from mtp_train.assets import DEFAULT_MODEL, MODEL_MARKER, model_dir
+from mtp_train.assets import DEFAULT_MODEL, MODEL_MARKER
+from mtp_train.assets import model_dir as asset_dir
 from mtp_train.assets.build import is_present
 
 REPO = Path(__file__).resolve().parent.parent
@@ -509,7 +510,7 @@ def main() -> int:
         torch.cuda.set_device(device)
     work_dir = tempfile.TemporaryDirectory(prefix="gpu_check-") if args.work is None else None
     work = Path(work_dir.name) if work_dir else args.work
-    smollm2 = args.smollm2 or model_dir(DEFAULT_MODEL)
+    smollm2 = args.smollm2 or asset_dir(DEFAULT_MODEL)
     ctx = Context(device, work, smollm2 if is_present(smollm2, MODEL_MARKER) else None)
     started = time.perf_counter()
     results = []
