@@ -357,6 +357,17 @@ class TrackingSection(_Section):
     wandb: WandbSection = Field(default_factory=WandbSection)
 
 
+class DistributedSection(_Section):
+    """The process group the ranks of a torchrun launch share (precompute, train, eval)."""
+
+    timeout_minutes: float = Field(
+        60.0, gt=0,
+        description="minutes a collective (a barrier, an all-reduce) waits for every rank before failing; longer "
+        "than the slowest rank's lead: rank 0 verifying a large cache, a rank finishing a long shard (torch's "
+        "default is 10)",
+    )
+
+
 class Recipe(_Section):
     """A whole recipe. Derived defaults (output directories, W&B run name) are filled in from `name`."""
 
@@ -369,6 +380,7 @@ class Recipe(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
+    distributed: DistributedSection = Field(default_factory=DistributedSection)
 
     @field_validator("name")
     @classmethod

@@ -96,7 +96,7 @@ def main() -> None:
     layout = ParallelLayout.from_environ(tensor_parallel=2)
     # A short timeout: a rank that fails while the other waits in a collective ends the run instead of hanging.
     dist.init_process_group(backend="gloo", timeout=timedelta(seconds=60))
-    group = init_tensor_parallel(layout)
+    group = init_tensor_parallel(layout, "cpu", timeout_minutes=1)
     results: dict = {}
     for path in model_dirs:
         for decode_path in ("torch", "kernels"):

@@ -175,8 +175,8 @@ def _run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_ne
     if layout.dp_size > 1:
         raise UserError(f"target.tensor_parallel (--tp): eval runs one copy of the target; launch torchrun with as "
                         f"many processes as --tp ({layout.tensor_parallel}), not {layout.world_size}")
-    group = init_tensor_parallel(layout)
     device = resolve_device(recipe.target.device)
+    group = init_tensor_parallel(layout, device, recipe.distributed.timeout_minutes)
     if device.type == "cuda" and layout.tensor_parallel > 1:
         import os
 

@@ -24,6 +24,7 @@ from mtp_train.features.format import MANIFEST_FILENAME, load_manifest
 from mtp_train.features.reader import FeatureReader
 from mtp_train.fileio import atomic_write_bytes, file_sha256, safetensors_bytes
 from mtp_train.heads.vocab import coverage, select_draft_vocab
+from mtp_train.runtime.distributed import all_reduce_host
 
 SOURCES = ("target", "data")
 COUNTS_DIRNAME = "draft_vocab"
@@ -105,7 +106,7 @@ def load_or_count(
     counts = count_next_tokens(features_dir, source, vocab_size, lm_head_weight, progress=progress and rank == 0,
                                rank=rank, world_size=world_size)
     if world_size > 1:
-        dist.all_reduce(counts)  # int64 sums, exact
+        counts = all_reduce_host(counts)  # int64 sums, exact; reduced on the backend's device (NCCL: the GPU)
     if rank == 0:
         metadata = {"source": source, "manifest_sha256": digest, "labels": str(int(counts.sum()))}
         atomic_write_bytes(path, safetensors_bytes({"token_counts": counts}, metadata))

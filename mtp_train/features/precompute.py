@@ -53,6 +53,7 @@ from mtp_train.fingerprint import target_fingerprint
 from mtp_train.recipe import canonical_hash, recipe_to_dict, save_resolved, with_precision
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.config import load_config
+from mtp_train.runtime.distributed import init_process_group
 from mtp_train.runtime.loader import resolve_device
 from mtp_train.runtime.precision import TORCH_DTYPES, resolve_section
 from mtp_train.runtime.tensor_parallel import (
@@ -305,6 +306,7 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
     run stops at once naming the holder, before it deletes or writes anything (a killed run's cleanup of temporary
     files could otherwise remove a live run's)."""
     env = env or DistEnv.from_environ()
+    group_device = _group_device(recipe)  # before the lock: "cuda" without CUDA stops here
     root = recipe.features_dir
 
     def busy(who: str) -> str:
@@ -317,7 +319,7 @@ def run_precompute(recipe, force: bool = False, env: DistEnv | None = None) -> P
             lock = OutputLock(sibling_lock_path(root), busy, label="precompute").acquire()
         except UserError as err:
             refused = str(err)
-    dist = _init_distributed(env, host_only=recipe.precompute.backend == "vllm")
+    dist = _init_distributed(env, group_device, recipe.distributed.timeout_minutes)
     if dist is not None:  # every rank stops with rank 0's refusal instead of waiting for it at a barrier
         box = [refused]
         dist.broadcast_object_list(box, src=0)
@@ -392,7 +394,7 @@ def _run_precompute_locked(recipe, force: bool, env: DistEnv, dist) -> Path:
                         "precompute.backend vllm the stored states attend over vLLM's cache "
                         "(precompute.vllm.kv_cache_dtype): leave precision.kv_cache auto for precompute")
     layout = ParallelLayout(env.rank, env.world_size, recipe.target.tensor_parallel)
-    group = init_tensor_parallel(layout)
+    group = init_tensor_parallel(layout, _group_device(recipe), recipe.distributed.timeout_minutes)
     # Shards, progress files and heartbeats belong to data-parallel groups: `writer` numbers them (== env without TP).
     writer = DistEnv(layout.dp_rank, layout.dp_size, env.local_rank)
     root = recipe.features_dir
@@ -648,17 +650,20 @@ def _summary(manifest: dict[str, Any]) -> str:
     return "; ".join(parts) + f"; {manifest['storage_dtype']}, {manifest.get('bytes_per_token')} bytes/token{kv}"
 
 
-def _init_distributed(env: DistEnv, host_only: bool = False):
-    """The process group of the ranks (None for one rank). `host_only`: gloo even where CUDA exists (the vLLM
-    backend: the ranks only coordinate, their engines own the GPUs, and this process must not take one)."""
+def _group_device(recipe) -> torch.device:
+    """The device the ranks' process group reduces on: the target's (`target.device`), or the CPU with the vLLM
+    backend (the ranks only coordinate, their engines own the GPUs, and this process must not take one)."""
+    if recipe.precompute.backend == "vllm":
+        return torch.device("cpu")
+    return resolve_device(recipe.target.device)
+
+
+def _init_distributed(env: DistEnv, device: torch.device, timeout_minutes: float):
+    """The process group of the ranks (None for one rank), for collectives on `device` that time out after
+    `timeout_minutes`."""
     if env.world_size <= 1:
         return None
-
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() and not host_only else "gloo"
-        dist.init_process_group(backend=backend)
-        if backend == "nccl":
-            torch.cuda.set_device(env.local_rank)
+    init_process_group(device, timeout_minutes)
     return dist
 
 

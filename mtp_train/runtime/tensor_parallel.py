@@ -41,6 +41,7 @@ from torch import nn
 from mtp_train.errors import UserError
 from mtp_train.runtime.attention import get_backend
 from mtp_train.runtime.config import ModelConfig, load_config, require_runtime
+from mtp_train.runtime.distributed import all_reduce, init_process_group
 from mtp_train.runtime.kv_cache import KVCache, PageAllocator
 from mtp_train.runtime.loader import _weight_files, finish_loading, load_model, resolve_device, resolve_dtype
 from mtp_train.runtime.model import MLP, Attention, CausalLM
@@ -107,7 +108,7 @@ class TensorParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the group, in place; returns it."""
         if self.size > 1:
-            dist.all_reduce(tensor, group=self.group)
+            all_reduce(tensor, group=self.group)  # refuses a tensor off the backend's device (a CPU one under NCCL)
         return tensor
 
     def broadcast_object(self, obj):
@@ -120,25 +121,23 @@ class TensorParallelGroup:
         return holder[0]
 
 
-def init_distributed(device: torch.device | None = None):
-    """`torch.distributed` with the default group initialized (NCCL when CUDA is present, else gloo), or None in a
-    single process."""
+def init_distributed(device: torch.device | str, timeout_minutes: float):
+    """`torch.distributed` with the default group initialized for a stage computing on `device` (NCCL for CUDA,
+    gloo for the CPU; `runtime.distributed.init_process_group`), or None in a single process."""
     if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
         return None
-
-    if not dist.is_initialized():
-        use_nccl = torch.cuda.is_available() and (device is None or device.type == "cuda")
-        dist.init_process_group(backend="nccl" if use_nccl else "gloo")
-        if use_nccl:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    init_process_group(device, timeout_minutes)
     return dist
 
 
-def init_tensor_parallel(layout: ParallelLayout) -> TensorParallelGroup:
-    """This rank's tensor-parallel group. Collective: every rank creates every group, in the same order."""
+def init_tensor_parallel(layout: ParallelLayout, device: torch.device | str,
+                         timeout_minutes: float) -> TensorParallelGroup:
+    """This rank's tensor-parallel group; the default group, where none exists yet, for a stage on `device` with
+    collectives timing out after `timeout_minutes` (the recipe's `distributed.timeout_minutes`). Collective: every
+    rank creates every group, in the same order."""
     if layout.tensor_parallel == 1:
         return TensorParallelGroup()
-    dist = init_distributed()
+    dist = init_distributed(device, timeout_minutes)
     if dist is None:
         raise UserError(f"{SETTING}: {layout.tensor_parallel} needs that many processes; launch with "
                         f"`torchrun --nproc_per_node={layout.tensor_parallel} -m mtp_train ...`")

@@ -40,6 +40,7 @@ from mtp_train.fileio import atomic_write_text, read_json_object, replace_direct
 from mtp_train.heads import head_class, save_head
 from mtp_train.heads.vocab import coverage, select_draft_vocab
 from mtp_train.recipe import RESOLVED_RECIPE_FILENAME, flatten_recipe, recipe_to_dict, save_resolved, with_precision
+from mtp_train.runtime.distributed import all_reduce_host, init_process_group
 from mtp_train.runtime.frozen_parts import load_frozen_parts
 from mtp_train.runtime.precision import resolve_section
 from mtp_train.train.checkpoints import (
@@ -223,9 +224,9 @@ def counted_rows(loss_mask: torch.Tensor, loss_rows: str) -> torch.Tensor:
 
 
 def setup(recipe) -> TrainingRun:
-    """Process group (gloo on CPU, NCCL on CUDA; alone too), compute dtype, the target's frozen parts (never the whole
-    target: `runtime.frozen_parts`), feature readers, head (draft
-    vocabulary chosen from the training labels), AdamW + LR schedule inside a DeepSpeed engine."""
+    """Process group (gloo on CPU, NCCL on CUDA, `runtime.distributed`; alone too), compute dtype, the target's
+    frozen parts (never the whole target: `runtime.frozen_parts`), feature readers, head (draft vocabulary chosen
+    from the training labels), AdamW + LR schedule inside a DeepSpeed engine."""
     import deepspeed  # local: DeepSpeed takes seconds to import; only setup and the head save need it
 
     train = recipe.train
@@ -236,11 +237,11 @@ def setup(recipe) -> TrainingRun:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     _skip_deepspeed_shm_build()
-    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    init_process_group(device, recipe.distributed.timeout_minutes,
+                       init=lambda backend, timeout: deepspeed.init_distributed(
+                           dist_backend=backend, timeout=timeout, verbose=False))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
 
     # Compute dtype: `auto` resolves to the fastest many-row dtype this device has (runtime/precision.py), once: rank 0
     # resolves it and every rank takes its answer (a timed choice cannot differ between ranks).
@@ -502,8 +503,7 @@ def train_step(run: TrainingRun, data) -> StepResult:
         sums["loss"] += float(metrics["loss"]) / accum
         sums["tokens"] += batch.num_tokens
     keys = sorted(sums)
-    reduced = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(reduced)
+    reduced = all_reduce_host(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
     return StepResult(dict(zip(keys, reduced.tolist())), tokens, flops, seconds)
 
 
@@ -590,8 +590,7 @@ def _train(recipe, resume: str, force: bool, show_progress: bool) -> Path:
 
     head_dir = save_head_files(run)
     train_seconds = time.perf_counter() - started
-    total_flops = torch.tensor([flops_seen], dtype=torch.float64)
-    dist.all_reduce(total_flops)
+    total_flops = all_reduce_host(torch.tensor([flops_seen], dtype=torch.float64))
     gflops = float(total_flops.item()) / max(train_seconds, 1e-9) / 1e9
     if run.is_main:
         vocab_size = run.target.config.vocab_size
