@@ -161,7 +161,8 @@ def test_kill_after_checkpoint_then_resume_matches_uninterrupted(features):
 @pytest.mark.slow
 def test_torchrun_zero3_two_ranks_saves_and_resumes_exactly(features, tmp_path):
     """ZeRO-3 partitions the weights: each rank writes and reads its own model states file. A 2-rank bf16 run saves
-    step-2 and step-4; the same run dir without step-4 and the head resumes from step-2 and ends with the same head."""
+    step-2 and step-4; the same run dir without step-4 and the head resumes from step-2 and ends with the same head;
+    each rank's files load weights-only."""
     import shutil
 
     from mtp_train.train.checkpoints import files_to_load
@@ -192,6 +193,18 @@ def test_torchrun_zero3_two_ranks_saves_and_resumes_exactly(features, tmp_path):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    # Each rank reads its own model states through the weights-only loader: a pickle planted in rank 1's is refused.
+    marker = tmp_path / "pwned"
+
+    class Planted:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    planted = resumed / "checkpoints" / "step-4" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    torch.save({"module": Planted()}, planted)
+    result = train(resumed)
+    assert result.returncode != 0 and f"{planted}: refused to load" in result.stderr, result.stderr[-4000:]
+    assert not marker.exists()
 
 
 def test_refusals(features, tmp_path):
