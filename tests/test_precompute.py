@@ -297,3 +297,74 @@ def test_reader_refuses_corrupted_shard_and_wrong_target(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(UserError, match="sha256 differs"):
         FeatureReader(root)
+
+
+def _build_on_ranks(root: Path, ranks: int, monkeypatch, **kwargs) -> tuple[list, dict[int, list[str]]]:
+    """Build `FeatureReader(root, hash_share=(rank, ranks))` on `ranks` threads standing in for ranks, with
+    `all_gather_object` exchanging the threads' objects as the collective exchanges the ranks'. Returns each rank's
+    reader or raised error, and the shard names each rank hashed."""
+    import threading
+
+    import mtp_train.features.reader as reader
+    from mtp_train.fileio import file_sha256
+
+    barrier = threading.Barrier(ranks, timeout=60)
+    sent: dict[int, object] = {}
+    hashed: dict[int, list[str]] = {rank: [] for rank in range(ranks)}
+    local = threading.local()
+
+    def all_gather_object(out: list, obj: object) -> None:
+        sent[local.rank] = obj
+        barrier.wait()
+        out[:] = [sent[rank] for rank in range(ranks)]
+        barrier.wait()
+
+    def counting_sha256(path, *args):
+        hashed[local.rank].append(Path(path).name)
+        return file_sha256(path, *args)
+
+    monkeypatch.setattr(reader.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(reader, "file_sha256", counting_sha256)  # where the reader calls it
+    results: list = [None] * ranks
+
+    def build(rank: int) -> None:
+        local.rank = rank
+        try:
+            results[rank] = reader.FeatureReader(root, hash_share=(rank, ranks), **kwargs)
+        except UserError as err:
+            results[rank] = err
+
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, hashed
+
+
+def test_reader_hashes_each_shard_once_among_the_ranks_and_all_refuse_a_corrupted_one(tmp_path, monkeypatch):
+    """Every training rank builds the train and eval readers of the same cache; the shards' sha256 are checked once
+    among them (shard i by rank i % world size), not by every rank, and a corrupted shard is refused on every rank
+    with the same message, naming the file and what to run."""
+    recipe, _ = tiny_pipeline(tmp_path, num_conversations=16)
+    root = run_precompute(recipe)
+    names = [Path(record["name"]).name for record in load_manifest(root)["splits"]["train"]["shards"]]
+    assert len(names) >= 3
+    readers, hashed = _build_on_ranks(root, 2, monkeypatch, micro_batch_tokens=1)
+    assert all(not isinstance(r, UserError) for r in readers), readers
+    assert hashed == {0: names[0::2], 1: names[1::2]}  # each shard once, in all
+    # The eval reader does not split its data over the ranks (rank 0 of 1), but its hashing is still shared.
+    readers, hashed = _build_on_ranks(root, 2, monkeypatch, split="eval", rank=0, world_size=1)
+    eval_names = [Path(record["name"]).name for record in load_manifest(root)["splits"]["eval"]["shards"]]
+    assert sorted(hashed[0] + hashed[1]) == sorted(eval_names) and not set(hashed[0]) & set(hashed[1])
+
+    shard = root / "train" / names[1]  # hashed by rank 1 only
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    errors, hashed = _build_on_ranks(root, 2, monkeypatch, micro_batch_tokens=1)
+    assert names[1] not in hashed[0]
+    assert all(isinstance(e, UserError) for e in errors), errors
+    assert str(errors[0]) == str(errors[1])
+    assert f"{shard}: sha256 differs from the manifest" in str(errors[0])
+    assert f"mtp-train verify-features {root}" in str(errors[0])

@@ -158,6 +158,55 @@ def test_kill_after_checkpoint_then_resume_matches_uninterrupted(features):
     assert losses_a == losses_b
 
 
+@pytest.mark.slow
+def test_torchrun_zero3_two_ranks_saves_and_resumes_exactly(features, tmp_path):
+    """ZeRO-3 partitions the weights: each rank writes and reads its own model states file. A 2-rank bf16 run saves
+    step-2 and step-4; the same run dir without step-4 and the head resumes from step-2 and ends with the same head;
+    each rank's files load weights-only."""
+    import shutil
+
+    from mtp_train.train.checkpoints import files_to_load
+
+    root, overrides = features
+    straight = tmp_path / "straight"
+
+    def train(run_dir: Path) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
+                   "-m", "mtp_train", "train", "--recipe", str(RECIPE), *_sets(overrides),
+                   "--set", "train.zero_stage=3", "--set", "train.max_steps=4", "--set", "train.save_every=2",
+                   "--set", "precision.compute=bfloat16", "--set", f"train.run_dir={run_dir}"]
+        return subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+
+    result = train(straight)
+    assert result.returncode == 0, result.stderr[-4000:]
+    step2 = straight / "checkpoints" / "step-2"
+    expected = {path.name for rank in (0, 1) for path in files_to_load(step2, rank, 3)} | {"client_state.json"}
+    assert {path.name for path in step2.iterdir()} == expected
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-4")
+    shutil.rmtree(resumed / "head")
+    result = train(resumed)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"resumed from {resumed / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    a, b = _head_tensors(straight), _head_tensors(resumed)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # Each rank reads its own model states through the weights-only loader: a pickle planted in rank 1's is refused.
+    marker = tmp_path / "pwned"
+
+    class Planted:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    planted = resumed / "checkpoints" / "step-4" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    torch.save({"module": Planted()}, planted)
+    result = train(resumed)
+    assert result.returncode != 0 and f"{planted}: refused to load" in result.stderr, result.stderr[-4000:]
+    assert not marker.exists()
+
+
 def test_refusals(features, tmp_path):
     from mtp_train.train.trainer import run_training
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
 from mtp_train.errors import UserError
@@ -37,6 +38,49 @@ class FeatureBatch:
         return int(self.input_ids.shape[0])
 
 
+def shard_file_problem(root: Path, record: dict) -> str | None:
+    """What is wrong with one shard's file against its manifest record (missing, another size, another sha256), or
+    None."""
+    path = root / record["name"]
+    try:
+        if not path.is_file():
+            return f"{path}: shard missing"
+        if path.stat().st_size != record["nbytes"]:
+            return f"{path}: {path.stat().st_size} bytes, manifest says {record['nbytes']} (truncated?)"
+        if file_sha256(path) != record["sha256"]:
+            return f"{path}: sha256 differs from the manifest (corrupted)"
+    except OSError as err:
+        return f"{path}: unreadable ({err.strerror or err})"
+    return None
+
+
+def verify_split_hashes(root: Path, split: str, records: list[dict], rank: int = 0, world_size: int = 1) -> None:
+    """Check the sha256 of every shard of `split` once among `world_size` processes: shard i is hashed by process
+    i % world_size, and the verdicts are gathered (`all_gather_object` on the default process group) so every
+    process refuses together, with the same message, or none does. Every training rank reads the same cache, so
+    each rank hashing the whole split would read it world_size times over before training starts (hundreds of GB
+    per rank for an 8B target's cache of 100M tokens); spread, the split is read once, 1/world_size of it per rank.
+    Hashing at start-up, rather than trusting the hashes recorded at write, catches a shard damaged since (a copy, a
+    bad disk); with a node-local copy of the cache per node, each shard is hashed on one node's copy only
+    (`mtp-train verify-features` checks a whole copy). Every rank still checks every shard's size and header when it
+    opens it. Raises UserError naming the files that differ and what to run."""
+    mine = []  # (shard position, problem) for this process's shards
+    for position in range(rank, len(records), world_size):
+        if is_shard_name(split, records[position]["name"]):  # other names: named by split_problems, never read
+            if problem := shard_file_problem(root, records[position]):
+                mine.append((position, problem))
+    if world_size > 1:
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, mine)
+        mine = [found for rank_found in gathered for found in rank_found]
+    problems = [problem for _, problem in sorted(mine)]
+    if problems:
+        shown = "\n  ".join(problems[:5]) + (f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise UserError(f"{root}: {len(problems)} shard file(s) of split {split!r} differ from the manifest; refusing "
+                        f"to train on them:\n  {shown}\nRun `mtp-train verify-features {root}` for the full report, "
+                        "and rebuild the cache with `mtp-train precompute --force`.")
+
+
 class FeatureReader:
     def __init__(
         self,
@@ -53,14 +97,20 @@ class FeatureReader:
         target_dir: str | Path | None = None,
         chat_template: str | Path | None = None,
         aux_layers: tuple[int, ...] | None = None,
+        hash_share: tuple[int, int] = (0, 1),
     ):
         """`expected_fingerprints`: manifest fingerprints the cache must have (e.g. {"target": ...}). `target_dir`
         (optional): the target this run uses; its tokenizer (with `chat_template`, the recipe's
         `data.chat_template`) must be the one that tokenized the data. Start-up checks the manifest against the
-        split's shards (the checks verify-features runs, features/checks.py) and every shard's sha256.
+        split's shards (the checks verify-features runs, features/checks.py) and, with `verify_hashes`, every shard's
+        sha256 once among the processes of `hash_share` (`verify_split_hashes`).
         `aux_layers` (an eagle3 head's inputs): batches carry exactly these stored layers, in this order, as
         `aux_hidden`; a cache that does not store them all is refused, naming `precompute.aux_layers`. None: every
-        stored aux layer, as stored."""
+        stored aux layer, as stored.
+        `hash_share`: (this process's rank, the number of processes sharing the hashing). With more than one, the
+        default process group must be up and every one of them must build this reader (hashing ends in a
+        collective); the training ranks pass their rank and world size for the eval reader too, whose data they do
+        not split."""
         self.root = Path(root)
         self.manifest = load_manifest(self.root)  # names missing keys
         manifest_path = self.root / MANIFEST_FILENAME
@@ -89,11 +139,12 @@ class FeatureReader:
         self.aux_index = self._aux_index(aux_layers)
         self.split, self.rank, self.world_size = split, rank, world_size
         self.micro_batch_tokens, self.seed, self.dtype = micro_batch_tokens, seed, dtype
-        self.verify_hashes = verify_hashes
         self.records = self.manifest["splits"][split]["shards"]
         self._handles: dict[int, object] = {}
         self._offsets: list[list[int]] = []
         self.samples: list[tuple[int, int, int]] = []  # (shard, row in shard, length), ordered by sample_index
+        if verify_hashes:
+            verify_split_hashes(self.root, split, self.records, *hash_share)
         problems = split_problems(self.root, self.manifest, split)
         unordered = []
         for shard_id, record in enumerate(self.records):
@@ -154,8 +205,6 @@ class FeatureReader:
             raise UserError(f"{path}: shard missing (run verify-features / precompute to repair)")
         if path.stat().st_size != record["nbytes"]:
             raise UserError(f"{path}: {path.stat().st_size} bytes, manifest says {record['nbytes']} (truncated?)")
-        if self.verify_hashes and file_sha256(path) != record["sha256"]:
-            raise UserError(f"{path}: sha256 differs from the manifest (corrupted); refusing to train on it")
         try:
             handle = safe_open(str(path), framework="pt")
         except Exception as err:

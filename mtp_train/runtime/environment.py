@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 from importlib import metadata
 
 import torch
 
 from mtp_train.cpu_kinds import run_as_note
+from mtp_train.errors import UserError
 from mtp_train.runtime.hardware import (
     blas_summary,
     cpu_facts,
@@ -23,6 +25,26 @@ from mtp_train.runtime.hardware import (
 )
 from mtp_train.runtime.kernels import kernels_summary
 from mtp_train.runtime.precision import resolve_precision
+
+# The oldest torch the package runs on (pyproject.toml's floor, and the Makefile's TORCH_SPEC note for GPU users):
+# scaled_dot_product_attention's `enable_gqa` (2.5) in runtime/attention.py, and resuming a checkpoint loads
+# DeepSpeed's files weights-only with `torch.serialization.safe_globals` and names what a refused file needs with
+# `get_unsafe_globals_in_checkpoint` (train/checkpoints.py), the weights-only loading that 2.6 made torch.load's
+# default and the one this package's checkpoints are checked with.
+TORCH_FLOOR = (2, 6)
+
+
+def check_torch_version(version: str) -> None:
+    """Refuse a torch older than TORCH_FLOOR (`version` as torch.__version__ gives it, e.g. "2.5.1+cu124"), saying
+    what to install; a torch installed before this package (a CUDA build) is not upgraded by pip's range."""
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    if match is None or (int(match[1]), int(match[2])) < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise UserError(f"torch {version} is older than {floor}, which mtp-train needs (scaled_dot_product_attention's "
+                        f"enable_gqa, weights-only checkpoint loading with safe_globals); install torch>={floor}: "
+                        f"`make setup TORCH_SPEC='torch>={floor}'`, or your CUDA build with `pip install "
+                        f"'torch>={floor}' --index-url https://download.pytorch.org/whl/<cuda tag>`")
+
 
 PACKAGES = ("mtp_train", "torch", "transformers", "deepspeed", "datasets", "safetensors", "accelerate",
             "flashinfer-python", "wandb")
@@ -36,6 +58,8 @@ def _version(name: str) -> str:
 
 
 def collect_env(measure: bool = True, reprobe: bool = False) -> dict:
+    """The facts `mtp-train env` prints; refuses a torch older than TORCH_FLOOR first."""
+    check_torch_version(torch.__version__)
     facts = cpu_facts()
     devices = cuda_devices()
     device = torch.device("cuda" if devices else "cpu")

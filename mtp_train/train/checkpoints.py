@@ -8,8 +8,9 @@ them before DeepSpeed reads them, and one trainer per run dir.
 - Safe loading: DeepSpeed's TorchCheckpointEngine unpickles without the weights-only guard, which runs whatever a
   pickled object's `__reduce__` says. `SafeTorchCheckpointEngine` loads with `weights_only=True`, allow-listing
   exactly the classes DeepSpeed (and our client state) store; anything else is refused naming the file.
-- Checks before loading: every file this rank will read exists and is a complete zip archive (CRC-checked), and the
-  checkpoint's world size is this run's (ZeRO partitions the optimizer state per rank).
+- Checks before loading: every file this rank will read (under ZeRO-3 its own model states too) exists and is a
+  complete zip archive (CRC-checked), and the checkpoint's world size is this run's (ZeRO partitions the optimizer
+  state per rank).
 - `RunDirLock`: an exclusive `flock` on `<run dir>/.lock`, holding the holder's pid, host and command.
 """
 
@@ -48,7 +49,7 @@ class UnreadableCheckpoint(UserError):
 
 
 def _allowed_globals() -> list:
-    """The classes a ZeRO-0/1/2 checkpoint of this trainer stores besides tensors and builtins (found by saving fp32
+    """The classes a ZeRO-0/1/2/3 checkpoint of this trainer stores besides tensors and builtins (found by saving fp32
     and bf16 checkpoints and listing `torch.serialization.get_unsafe_globals_in_checkpoint`): DeepSpeed's loss scaler,
     ZeRO stage enum and tensor-fragment addresses, and numpy's array reconstruction for the numpy RNG state in our
     client state. Each is a plain data holder (no code runs when it is rebuilt)."""
@@ -149,9 +150,13 @@ def run_checkpoints(checkpoint_dir: Path, run_id: str | None) -> list[Checkpoint
 
 
 def files_to_load(checkpoint: Path, rank: int, zero_stage: int) -> list[Path]:
-    """The files DeepSpeed reads on `rank` when resuming a ZeRO-0/1/2 checkpoint (model states; this rank's optimizer
-    partition under ZeRO)."""
-    files = [checkpoint / "mp_rank_00_model_states.pt"]
+    """The files DeepSpeed reads on `rank` when resuming (the names its engine's `_get_ckpt_name` and
+    `_get_rank_zero_ckpt_name` give): the model states, shared by all ranks under ZeRO-0/1/2
+    (`mp_rank_00_model_states.pt`, written by rank 0), this rank's own under ZeRO-3, which partitions the weights
+    (`zero_pp_rank_{rank}_mp_rank_00_model_states.pt`, written by every rank); and under ZeRO-1/2/3 this rank's
+    optimizer partition (`zero_pp_rank_{rank}_mp_rank_00_optim_states.pt`, prefixed `bf16_` when saved in bf16)."""
+    files = [checkpoint / (f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if zero_stage == 3
+                           else "mp_rank_00_model_states.pt")]
     if zero_stage > 0:
         stem = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         bf16 = checkpoint / f"bf16_{stem}"

@@ -260,10 +260,12 @@ def setup(recipe) -> TrainingRun:
     # The target's tokenizer must be the one that tokenized the data; hashed once for both readers.
     tokenizer = tokenizer_fingerprint(recipe.target.path, recipe.data.chat_template)
     head_config = recipe.head.head_config(target.config, fingerprint, recipe.precompute.aux_layers)
-    # An eagle3 head reads the cache's aux layers (precompute.aux_layers); the other kinds never load them.
+    # An eagle3 head reads the cache's aux layers (precompute.aux_layers); the other kinds never load them. Each
+    # reader's shards are hashed once among all ranks (`hash_share`), the eval reader's too, though rank 0 of 1 in data.
     readers_kwargs = dict(micro_batch_tokens=train.micro_batch_tokens, rank=rank, world_size=world_size,
                           seed=train.seed, expected_fingerprints={"target": fingerprint, "tokenizer": tokenizer},
-                          target_dir=recipe.target.path, aux_layers=head_config.aux_layers)
+                          target_dir=recipe.target.path, aux_layers=head_config.aux_layers,
+                          hash_share=(rank, world_size))
     train_reader = FeatureReader(recipe.features_dir, "train", dtype=target.dtype, **readers_kwargs)
     eval_reader = FeatureReader(recipe.features_dir, "eval", dtype=target.dtype,
                                 **{**readers_kwargs, "rank": 0, "world_size": 1})
