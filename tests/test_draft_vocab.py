@@ -351,6 +351,32 @@ def test_counts_from_data_and_target(tiny_features):
     assert (features_dir / "draft_vocab" / "data-counts.safetensors").is_file()
 
 
+def test_draft_vocab_cli_reads_only_the_lm_head(tiny_features, capsys, monkeypatch):
+    from mtp_train.cli import main
+    from mtp_train.features.draft_vocab import counts_path
+    from mtp_train.runtime.loader import load_model
+    from mtp_train.runtime.model import CausalLM
+    from tests.pipeline_fixtures import RECIPE_PATH
+
+    root, recipe, overrides = tiny_features
+    features_dir = root / "features"
+    target = load_model(recipe.target.path, dtype="float32", device="cpu")
+    expected = count_next_tokens(features_dir, "target", target.config.vocab_size, target.lm_head.weight,
+                                 progress=False)
+    counts_path(features_dir, "target").unlink(missing_ok=True)  # counted again by the command, not read back
+
+    def no_target(*_args, **_kwargs):
+        raise AssertionError("draft-vocab built the whole target")
+
+    monkeypatch.setattr(CausalLM, "__init__", no_target)
+    sets = [a for o in overrides + ["precision.compute=float32"] for a in ("--set", o)]
+    assert main(["draft-vocab", "--recipe", str(RECIPE_PATH), *sets, "--source", "target", "--sizes", "8"]) == 0
+    capsys.readouterr()
+    assert torch.equal(load_or_count(features_dir, "target", target.config.vocab_size, progress=False), expected)
+    report = json.loads((features_dir / "draft_vocab" / "target-coverage.json").read_text())
+    assert report["labels"] == int(expected.sum()) and report["distinct"] == int((expected > 0).sum())
+
+
 @pytest.mark.slow
 def test_draft_vocab_cli_and_training_with_a_reduced_vocab(tiny_features, capsys):
     from mtp_train.cli import main

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from mtp_train.data.prepare import prepare_dataset
 from mtp_train.recipe import load_recipe
 from mtp_train.runtime.chat import encode_chat, stop_token_ids
 from mtp_train.runtime.generate import generate
 from mtp_train.runtime.loader import load_model, load_tokenizer
-from tests.pipeline_fixtures import make_tiny_target, synthetic_sharegpt, tiny_recipe_overrides
+from tests.pipeline_fixtures import free_port, make_tiny_target, synthetic_sharegpt, tiny_recipe_overrides
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m-mtp.yaml"
 
@@ -39,3 +44,38 @@ def test_regenerated_replies_are_the_targets_greedy_output(tmp_path):
         assert first_reply["content"] == expected_text.strip()
         checked += 1
     assert checked == len(rows)
+
+
+def _regenerated(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "regenerated.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_regeneration_over_torchrun_ranks_gives_the_one_process_replies(tmp_path, smollm2_dir):
+    """`prepare --regenerate` under torchrun, the default model split over 2 ranks (TP 2) and whole on each of 2
+    ranks (2 data-parallel groups, each generating its half of every batch): greedy fp32 replies, their order and
+    the prepared datasets equal one process's."""
+    source = synthetic_sharegpt(tmp_path / "chats.jsonl", 5)
+    overrides = tiny_recipe_overrides(tmp_path, smollm2_dir, source) + [
+        "data.regenerate.enabled=true", "data.regenerate.max_new_tokens=6", "data.regenerate.batch_size=3",
+        "data.regenerate.temperature=0",
+    ]
+    reference = prepare_dataset(load_recipe(RECIPE, overrides), show_progress=False)
+    expected = _regenerated(reference.output_dir)
+    assert len(expected) == 5 and all(m["content"] for row in expected for m in row["messages"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(RECIPE.parent.parent)}
+    for tensor_parallel in (2, 1):
+        out = tmp_path / f"prepared-tp{tensor_parallel}"
+        sets = [a for o in overrides + [f"data.output_dir={out}"] for a in ("--set", o)]
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                              f"--master-port={free_port()}", "-m", "mtp_train", "prepare", "--recipe", str(RECIPE),
+                              "--tp", str(tensor_parallel), *sets],
+                             cwd=RECIPE.parent.parent, env=env, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr[-4000:]
+        layout = f"tensor parallel {tensor_parallel} × data parallel {2 // tensor_parallel} (world 2)"
+        assert run.stdout.count("prepare --regenerate: ") == 2 and layout in run.stdout  # rank 0 alone prints
+        assert run.stdout.count("prepared ") == 1
+        assert _regenerated(out) == expected, tensor_parallel
+        fingerprint = json.loads((out / "fingerprint.json").read_text())
+        assert fingerprint["dataset_hash"] == reference.fingerprint["dataset_hash"]

@@ -29,18 +29,22 @@ def run_draft_vocab(args: argparse.Namespace) -> int:
 
     from mtp_train.features.draft_vocab import coverage_table, load_or_count
     from mtp_train.fileio import write_json_atomic
-    from mtp_train.runtime.loader import load_model, resolve_device
+    from mtp_train.runtime.config import load_config
+    from mtp_train.runtime.frozen_parts import read_lm_head
+    from mtp_train.runtime.loader import resolve_device
     from mtp_train.runtime.precision import resolve_section
 
     recipe = recipe_from_args(args)
     source = recipe.head.draft_vocab_source
     features_dir = recipe.features_dir
-    device = resolve_device(recipe.target.device)
-    precision = resolve_section(recipe.precision, device, phases=("prefill",))
-    target = load_model(recipe.target.path, dtype=precision.dtype, device=device)
-    weight = target.lm_head.weight.detach() if source == "target" else None
+    vocab_size = load_config(recipe.target.path).vocab_size
+    weight = None  # [V, d] the target's lm_head: its argmax over the stored hidden states labels each position
+    if source == "target":  # only the lm_head is read, never the whole target
+        device = resolve_device(recipe.target.device)
+        precision = resolve_section(recipe.precision, device, phases=("prefill",))
+        weight = read_lm_head(recipe.target.path, precision.torch_dtype, device)
     with torch.inference_mode():
-        counts = load_or_count(features_dir, source, target.config.vocab_size, weight)
+        counts = load_or_count(features_dir, source, vocab_size, weight)
     sizes = sorted({*(args.sizes or DEFAULT_COVERAGE_SIZES)} | (
         {recipe.head.draft_vocab_size} if isinstance(recipe.head.draft_vocab_size, int) else set()))
     rows = coverage_table(counts, sizes)

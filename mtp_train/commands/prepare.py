@@ -43,11 +43,12 @@ def _print_summary(result) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    """The `prepare` subcommand."""
-    from mtp_train.data.prepare import prepare_dataset
+    """The `prepare` subcommand (under torchrun: rank 0 prepares, every rank generates `--regenerate` replies)."""
+    from mtp_train.data.prepare import prepare_on_ranks
     recipe = recipe_from_args(args)
-    result = prepare_dataset(recipe, strict=args.strict, row_limit=args.limit, force=args.force)
-    _print_summary(result)
+    result = prepare_on_ranks(recipe, strict=args.strict, row_limit=args.limit, force=args.force)
+    if result is not None:  # rank 0 (or the only process)
+        _print_summary(result)
     return 0
 
 
@@ -59,7 +60,8 @@ def register(subparsers: Any) -> None:
         description="Read the recipe's conversation sources, render them with the target's chat template, mask "
         "everything but the assistant replies, and save train/eval HF datasets with stats and fingerprints.",
     )
-    add_recipe_args(parser, ["data.regenerate.enabled"], {"data.regenerate.enabled": "--regenerate"})
+    add_recipe_args(parser, ["data.regenerate.enabled", "target.tensor_parallel"],
+                    {"data.regenerate.enabled": "--regenerate", "target.tensor_parallel": "--tp"})
     parser.add_argument("--strict", action="store_true", help="fail on the first malformed row instead of skipping it")
     parser.add_argument("--limit", type=_positive_int, metavar="N", help="read at most N rows over all sources")
     parser.add_argument("--force", action="store_true", help="rebuild even if the output is up to date")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from collections import Counter
@@ -128,51 +129,170 @@ class PrepareResult:
     up_to_date: bool
 
 
-def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
-    """The GenerateFn for `--regenerate`, backed by the target loaded through `mtp_train.runtime`.
+# A data-parallel group's sampling seed is offset by this much per group (group 0: the one-process seed).
+DP_SEED_STRIDE = 1_000_000_007
+
+
+class _RegenerationTarget:
+    """The target that writes the replies (whole, or this rank's tensor-parallel share of it) with its tokenizer.
 
     Renders each message list with the chat template (add_generation_prompt=True), generates the batch together
     (one ragged prefill, then batched decode: sequences that finish leave the batch) at `data.regenerate.temperature`,
     each reply up to `data.regenerate.max_new_tokens` tokens and no further than `data.max_seq_len` (what truncation
     would cut is not generated), and returns the decoded replies without the end-of-turn token. A prompt that
     already fills `data.max_seq_len` gets an empty reply: nothing after it would survive truncation, and the
-    conversation is cut there. A progress bar counts the generated tokens (tokens/s).
-    """
-    # local: the runtime (torch, the model) is needed only with data.regenerate; plain prepare runs without it
-    from mtp_train.runtime.chat import encode_chat, stop_token_ids
-    from mtp_train.runtime.generate import generate
-    from mtp_train.runtime.loader import load_model, resolve_device
-    from mtp_train.runtime.precision import resolve_section
-    from mtp_train.runtime.sampler import SamplingParams
+    conversation is cut there."""
 
-    settings = recipe.data.regenerate
-    device = resolve_device(recipe.target.device)
-    precision = resolve_section(recipe.precision, device)
-    print(f"prepare --regenerate: {precision.describe()}", flush=True)
-    model = load_model(recipe.target.path, device=device, precision=precision)
-    tokenizer = load_chat_tokenizer(recipe.target.path, recipe.data.chat_template)
-    stops = stop_token_ids(tokenizer, model.config)
-    sampling = SamplingParams(temperature=settings.temperature)
-    budget = recipe.data.max_seq_len
-    calls = [0]
-    progress = tqdm(desc="regenerate", unit="tok", unit_scale=True, dynamic_ncols=True)
+    def __init__(self, recipe: Recipe, group: Any, device: Any, precision: Any):
+        # local: the runtime (torch, the model) is needed only with data.regenerate; plain prepare runs without it
+        from mtp_train.runtime.chat import stop_token_ids
+        from mtp_train.runtime.sampler import SamplingParams
+        from mtp_train.runtime.tensor_parallel import load_model_tensor_parallel
 
-    def generate_fn(message_lists: list[list[Message]]) -> list[str]:
-        prompts = [encode_chat(tokenizer, [dict(m) for m in messages]) for messages in message_lists]
+        self.recipe = recipe
+        self.model = load_model_tensor_parallel(recipe.target.path, group, device=device, precision=precision)
+        self.tokenizer = load_chat_tokenizer(recipe.target.path, recipe.data.chat_template)
+        self.stops = stop_token_ids(self.tokenizer, self.model.config)
+        self.sampling = SamplingParams(temperature=recipe.data.regenerate.temperature)
+
+    def replies(self, message_lists: list[list[Message]], seed: int, on_tokens: Any = None) -> list[str]:
+        """One reply per message list; `on_tokens(n)` is told each step's newly generated token count."""
+        from mtp_train.runtime.chat import encode_chat
+        from mtp_train.runtime.generate import generate
+
+        budget, max_new_tokens = self.recipe.data.max_seq_len, self.recipe.data.regenerate.max_new_tokens
+        prompts = [encode_chat(self.tokenizer, [dict(m) for m in messages]) for messages in message_lists]
         replies = [""] * len(prompts)
         runnable = [i for i, prompt in enumerate(prompts) if len(prompt) < budget]
         if runnable:
             # Tokens past max_seq_len would be truncated away: not generated.
-            limits = [min(settings.max_new_tokens, budget - len(prompts[i])) for i in runnable]
+            limits = [min(max_new_tokens, budget - len(prompts[i])) for i in runnable]
             results, _ = generate(
-                model, [prompts[i] for i in runnable], limits, sampling, stop_token_ids=stops,
-                seed=recipe.data.seed * 1_000_003 + calls[0], on_tokens=lambda _i, ids: progress.update(len(ids)),
+                self.model, [prompts[i] for i in runnable], limits, self.sampling, stop_token_ids=self.stops,
+                seed=seed, on_tokens=(lambda _i, ids: on_tokens(len(ids))) if on_tokens else None,
             )
             for i, result in zip(runnable, results):
-                ids = [t for t in result.token_ids if t not in stops]
-                replies[i] = tokenizer.decode(ids, skip_special_tokens=True).strip()
-        calls[0] += 1
+                ids = [t for t in result.token_ids if t not in self.stops]
+                replies[i] = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
         return replies
+
+
+class RegenerationRanks:
+    """The torchrun ranks of `prepare --regenerate`: W / N data-parallel groups of N = `target.tensor_parallel`
+    consecutive ranks, each group one copy of the target split over its ranks (runtime/tensor_parallel.py).
+
+    Rank 0 runs the stage itself (sources, lock, progress file, output) and orders the others through object
+    broadcasts: load the target (in rank 0's resolved precision, so every rank takes the same decode path), generate
+    a batch, stop. Each batch of conversations is split into contiguous parts, one per data-parallel group; the ranks
+    of a group run the same part (their all-reduces line up) and rank 0 gathers the group leaders' replies in group
+    order, which is the batch's order. Greedy replies are those of one process (up to the rounding that tensor
+    parallelism changes); sampled ones differ, each group drawing from its own seed."""
+
+    def __init__(self, recipe: Recipe):
+        import torch
+
+        from mtp_train.runtime.loader import resolve_device
+        from mtp_train.runtime.tensor_parallel import ParallelLayout, init_distributed, init_tensor_parallel
+
+        self.layout = ParallelLayout.from_environ(recipe.target.tensor_parallel)
+        device = resolve_device(recipe.target.device)
+        if device.type == "cuda":
+            device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        self.device = device
+        self.dist = init_distributed(device)
+        self.group = init_tensor_parallel(self.layout)
+        self.generating = False  # rank 0: the others are inside a batch (a stop order would not meet them)
+
+    def _broadcast(self, order: Any = None) -> Any:
+        box = [order]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def load(self, recipe: Recipe, precision: Any) -> _RegenerationTarget:
+        """Rank 0: every rank loads its share of the target in `precision`."""
+        self._broadcast(("load", precision))
+        return _RegenerationTarget(recipe, self.group, self.device, precision)
+
+    def generate(self, target: _RegenerationTarget, message_lists: list[list[Message]], seed: int,
+                 on_tokens: Any) -> list[str]:
+        """Rank 0: the replies to `message_lists`, in order, generated by all the data-parallel groups."""
+        self.generating = True
+        self._broadcast(("generate", message_lists, seed))
+        mine = self._share(target, message_lists, seed, on_tokens)
+        parts: list[Any] = [None] * self.layout.world_size
+        self.dist.gather_object(mine, parts, dst=0)
+        self.generating = False
+        replies: list[str] = []
+        for rank in range(0, self.layout.world_size, self.layout.tensor_parallel):  # the group leaders, in order
+            group_replies, tokens = parts[rank]
+            replies += group_replies
+            if rank:
+                on_tokens(tokens)
+        return replies
+
+    def _share(self, target: _RegenerationTarget, message_lists: list[list[Message]], seed: int,
+               on_tokens: Any = None) -> tuple[list[str], int]:
+        """This rank's group's part of a batch: its replies and how many tokens it generated."""
+        from mtp_train.runtime.tensor_parallel import balanced_range
+
+        start, stop = balanced_range(len(message_lists), self.layout.dp_size, self.layout.dp_rank)
+        tokens = [0]
+
+        def count(n: int) -> None:
+            tokens[0] += n
+            if on_tokens is not None:
+                on_tokens(n)
+
+        replies = target.replies(message_lists[start:stop], seed + DP_SEED_STRIDE * self.layout.dp_rank, count)
+        return replies, tokens[0]
+
+    def serve(self, recipe: Recipe) -> None:
+        """Ranks other than 0: carry out rank 0's orders until it says stop."""
+        target = None
+        while True:
+            order = self._broadcast()
+            if order[0] == "stop":
+                return
+            if order[0] == "load":
+                target = _RegenerationTarget(recipe, self.group, self.device, order[1])
+                continue
+            _, message_lists, seed = order
+            assert target is not None, "a generate order before the load order"
+            mine = self._share(target, message_lists, seed)
+            self.dist.gather_object(mine if self.layout.is_leader else ([], 0), None, dst=0)
+
+    def stop(self) -> None:
+        """Rank 0, when the stage ends: the others return. Not while they are inside a batch (rank 0 failed in it):
+        then rank 0's exit ends them (torchrun stops the other workers when one fails)."""
+        if not self.generating:
+            self._broadcast(("stop",))
+
+
+def _runtime_generate_fn(recipe: Recipe, ranks: RegenerationRanks | None = None) -> GenerateFn:
+    """The GenerateFn for `--regenerate`, backed by the target loaded through `mtp_train.runtime`
+    (`_RegenerationTarget`): in this process, or with `ranks` (rank 0 under torchrun) over all the ranks. A progress
+    bar counts the generated tokens (tokens/s)."""
+    from mtp_train.runtime.loader import resolve_device
+    from mtp_train.runtime.precision import resolve_section
+    from mtp_train.runtime.tensor_parallel import TensorParallelGroup, describe
+
+    device = ranks.device if ranks is not None else resolve_device(recipe.target.device)
+    precision = resolve_section(recipe.precision, device)
+    print(f"prepare --regenerate: {precision.describe()}", flush=True)
+    if ranks is None:
+        target = _RegenerationTarget(recipe, TensorParallelGroup(), device, precision)
+    else:
+        target = ranks.load(recipe, precision)
+        print(f"prepare --regenerate: {describe(ranks.layout, target.model.config)}", flush=True)
+    calls = [0]
+    progress = tqdm(desc="regenerate", unit="tok", unit_scale=True, dynamic_ncols=True)
+
+    def generate_fn(message_lists: list[list[Message]]) -> list[str]:
+        seed = recipe.data.seed * 1_000_003 + calls[0]
+        calls[0] += 1
+        if ranks is None:
+            return target.replies(message_lists, seed, progress.update)
+        return ranks.generate(target, message_lists, seed, progress.update)
 
     return generate_fn
 
@@ -317,12 +437,14 @@ def prepare_dataset(
     force: bool = False,
     generate_fn: GenerateFn | None = None,
     show_progress: bool = True,
+    ranks: RegenerationRanks | None = None,
 ) -> PrepareResult:
     """Run the prepare stage for `recipe` and return where the data went with its stats and fingerprint.
 
     strict: a malformed row is a UserError instead of a counted skip. row_limit: read at most this many rows over
     all sources. force: rebuild even if the output's inputs_hash matches. generate_fn: replies for regeneration
-    (default when `data.regenerate.enabled`: the runtime's); ignored when regeneration is disabled.
+    (default when `data.regenerate.enabled`: the runtime's, generated over `ranks` when given: rank 0 under
+    torchrun, `prepare_on_ranks`); ignored when regeneration is disabled.
 
     Work happens in the hidden sibling `.<output name>.work/`; on failure only the regeneration progress file is
     kept there (so a rerun resumes it), on success the directory is removed. One prepare per output at a time: a
@@ -336,11 +458,31 @@ def prepare_dataset(
 
     with OutputLock(sibling_lock_path(output_dir), busy, label="prepare"):
         return _prepare_locked(recipe, strict=strict, row_limit=row_limit, force=force, generate_fn=generate_fn,
-                               show_progress=show_progress)
+                               show_progress=show_progress, ranks=ranks)
+
+
+def prepare_on_ranks(recipe: Recipe, *, strict: bool = False, row_limit: int | None = None, force: bool = False,
+                     show_progress: bool = True) -> PrepareResult | None:
+    """`prepare_dataset` in this process, or under torchrun (WORLD_SIZE > 1) over its ranks: rank 0 runs the stage
+    and the target's replies of `data.regenerate` are generated by all ranks (`RegenerationRanks`, with
+    `target.tensor_parallel` ranks per copy of the target), so no device needs to hold the whole target. Returns
+    rank 0's result; None on the other ranks."""
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
+        return prepare_dataset(recipe, strict=strict, row_limit=row_limit, force=force, show_progress=show_progress)
+    ranks = RegenerationRanks(recipe)
+    if ranks.layout.rank != 0:
+        ranks.serve(recipe)
+        return None
+    try:
+        return prepare_dataset(recipe, strict=strict, row_limit=row_limit, force=force, show_progress=show_progress,
+                               ranks=ranks)
+    finally:
+        ranks.stop()
 
 
 def _prepare_locked(recipe: Recipe, *, strict: bool, row_limit: int | None, force: bool,
-                    generate_fn: GenerateFn | None, show_progress: bool) -> PrepareResult:
+                    generate_fn: GenerateFn | None, show_progress: bool,
+                    ranks: RegenerationRanks | None) -> PrepareResult:
     """`prepare_dataset` with its output's lock held."""
     started = time.perf_counter()
     data = recipe.data
@@ -364,7 +506,7 @@ def _prepare_locked(recipe: Recipe, *, strict: bool, row_limit: int | None, forc
     work_dir = output_dir.with_name(f".{output_dir.name}.work")
     regeneration_progress: Path | None = None
     if data.regenerate.enabled:
-        generate_fn = generate_fn if generate_fn is not None else _runtime_generate_fn(recipe)
+        generate_fn = generate_fn if generate_fn is not None else _runtime_generate_fn(recipe, ranks)
         # The progress file is tied to everything the replies depend on, so changed settings never reuse it.
         settings = recipe_hash(recipe, ["target", "precision"]) + data.regenerate.model_dump_json() + tokenizer_digest
         settings += data.system_prompt.model_dump_json()

@@ -142,6 +142,18 @@ def read_tensors(model_dir: str | Path, shapes: dict[str, tuple[int, ...]], dtyp
     return tensors
 
 
+def read_lm_head(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The target's lm_head weight [V, d] (its embedding with tied embeddings) in `dtype` on `device`, read alone
+    from the file that holds it: what scoring hidden states against the target's vocabulary needs, without the rest
+    of the target."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise UserError(f"{model_dir}: model directory not found (run `mtp-train fetch-assets` for the default model)")
+    config = load_config(model_dir)
+    key = EMBED_KEY if config.tie_word_embeddings else LM_HEAD_KEY
+    return read_tensors(model_dir, {key: (config.vocab_size, config.hidden_size)}, dtype, torch.device(device))[key]
+
+
 def _frozen(weight: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(weight, requires_grad=False)
 

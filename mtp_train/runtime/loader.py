@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from mtp_train.errors import UserError
 from mtp_train.fileio import read_json_object
@@ -69,17 +72,57 @@ def model_class(config: ModelConfig) -> type[CausalLM]:
     return CausalLM
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-
-    state: dict[str, torch.Tensor] = {}
+def checkpoint_index(model_dir: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Checkpoint key -> (the safetensors file holding it, its shape), from the files' headers only: no tensor data is
+    read. A key stored in two files counts as the later file's (sorted by name)."""
+    index: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for path in _weight_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    state[key] = f.get_tensor(key)
+                    index[key] = (path, tuple(f.get_slice(key).get_shape()))
         except Exception as err:
             raise UserError(f"{path}: could not read safetensors ({err})") from None
-    return state
+    return index
+
+
+def assign_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
+    """Put `value` in place of the parameter or buffer `key` of `model` (one built on the meta device), keeping a
+    parameter's requires_grad."""
+    module_name, _, name = key.rpartition(".")
+    module = model.get_submodule(module_name)
+    current = getattr(module, name)
+    if isinstance(current, nn.Parameter):
+        setattr(module, name, nn.Parameter(value, requires_grad=current.requires_grad))
+    else:
+        setattr(module, name, value)
+
+
+def stream_into(model: nn.Module, index: dict[str, tuple[Path, tuple[int, ...]]], keys: list[str],
+                read: Callable[[Any, str], torch.Tensor], device: torch.device,
+                dtype_of: Callable[[str], torch.dtype]) -> None:
+    """Read `keys` (of `index`, `checkpoint_index`) one tensor at a time and assign each into `model`, converted to
+    `dtype_of(key)` on `device`: `read(f, key)` takes the key's tensor (or the part of it this rank holds) from the
+    open safetensors file `f`. Each host copy is dropped once it is on `device`, so host memory holds one tensor's
+    worth at a time, never the model: a target that fits only on its devices (or only split over ranks) loads."""
+    by_file: dict[Path, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(index[key][0], []).append(key)
+    for path, file_keys in by_file.items():
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as err:
+            raise UserError(f"{path}: could not read safetensors ({err})") from None
+        with handle as f:
+            for key in file_keys:
+                assign_tensor(model, key, _read_one(path, f, key, read).to(device=device, dtype=dtype_of(key)))
+
+
+def _read_one(path: Path, f: Any, key: str, read: Callable[[Any, str], torch.Tensor]) -> torch.Tensor:
+    try:
+        return read(f, key)
+    except Exception as err:
+        raise UserError(f"{path}: could not read safetensors ({err})") from None
 
 
 def load_model(
@@ -100,19 +143,20 @@ def load_model(
     require_runtime(config, model_dir / "config.json")
     device = resolve_device(device) if isinstance(device, str) else device
     torch_dtype = resolve_dtype(precision.dtype if precision is not None else dtype, device)
-    state = load_state_dict(model_dir)
+    index = checkpoint_index(model_dir)  # the headers: every check below runs before any tensor is read
+    stored = set(index)
     if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
+        stored.discard("lm_head.weight")  # some checkpoints store the tied copy too
     if config.deepseek is not None:  # DeepSeek's MTP modules (model.layers.{L + k}.*) are heads, not target layers
-
-        state = {k: v for k, v in state.items() if not is_mtp_key(config, k)}
+        stored = {k for k in stored if not is_mtp_key(config, k)}
     with torch.device("meta"):
         model = model_class(config)(config, backend=get_backend(backend, device))
-    expected = {k for k in model.state_dict().keys()}
+    shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    expected = set(shapes)
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
-    missing = sorted(expected - state.keys())
-    unexpected = sorted(k for k in state.keys() - expected if "rotary_emb" not in k)
+    missing = sorted(expected - stored)
+    unexpected = sorted(k for k in stored - expected if "rotary_emb" not in k)
     if missing:
         raise UserError(
             f"{model_dir}: weights missing for {len(missing)} tensor(s), e.g. {', '.join(missing[:3])} "
@@ -124,12 +168,11 @@ def load_model(
             "(an unsupported config option or a different architecture)"
         )
     for key in expected:
-        shape = tuple(model.state_dict()[key].shape)
-        if tuple(state[key].shape) != shape:
-            raise UserError(f"{model_dir}: tensor {key} has shape {tuple(state[key].shape)}, config implies {shape}")
+        if index[key][1] != shapes[key]:
+            raise UserError(f"{model_dir}: tensor {key} has shape {index[key][1]}, config implies {shapes[key]}")
     keep_fp32 = getattr(model, "FP32_TENSORS", ())  # DeepSeek's router (runtime/deepseek.py)
-    model.load_state_dict({k: state[k].to(torch.float32 if keep_fp32 and k.endswith(keep_fp32) else torch_dtype)
-                           for k in expected}, strict=False, assign=True)
+    stream_into(model, index, sorted(expected), lambda f, key: f.get_tensor(key), device,
+                lambda key: torch.float32 if keep_fp32 and key.endswith(keep_fp32) else torch_dtype)
     return finish_loading(model, model_dir, device, precision)
 
 

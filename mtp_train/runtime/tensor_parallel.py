@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 
 from mtp_train.errors import UserError
@@ -43,7 +42,15 @@ from mtp_train.runtime.attention import get_backend
 from mtp_train.runtime.config import ModelConfig, load_config, require_runtime
 from mtp_train.runtime.distributed import all_reduce, init_process_group
 from mtp_train.runtime.kv_cache import KVCache, PageAllocator
-from mtp_train.runtime.loader import _weight_files, finish_loading, load_model, resolve_device, resolve_dtype
+from mtp_train.runtime.loader import (
+    assign_tensor,
+    checkpoint_index,
+    finish_loading,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    stream_into,
+)
 from mtp_train.runtime.model import MLP, Attention, CausalLM
 
 log = logging.getLogger(__name__)
@@ -303,8 +310,9 @@ def _install_communication(model: CausalLM, group: TensorParallelGroup) -> None:
 def load_model_tensor_parallel(model_dir: str | Path, group: TensorParallelGroup, dtype="bfloat16",
                                device: str | torch.device = "auto", backend: str = "auto", precision=None) -> CausalLM:
     """`runtime.loader.load_model` for one rank of `group`: reads only the rank's slices of the split tensors
-    (safetensors slices, nothing else materialized), then the decode path as `load_model` sets it. Size 1:
-    `load_model` itself."""
+    (safetensors slices, nothing else materialized), one tensor at a time straight to `device` (host memory holds
+    one slice at a time, `loader.stream_into`), then the decode path as `load_model` sets it. Size 1: `load_model`
+    itself."""
     if group.size == 1:
         return load_model(model_dir, dtype=dtype, device=device, backend=backend, precision=precision)
     model_dir = Path(model_dir)
@@ -325,43 +333,34 @@ def load_model_tensor_parallel(model_dir: str | Path, group: TensorParallelGroup
     expected = set(full_shapes)
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
-    state: dict[str, torch.Tensor] = {}
-    unexpected: list[str] = []
-    for path in _weight_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    if key not in expected:
-                        if "rotary_emb" not in key and not (key == "lm_head.weight" and config.tie_word_embeddings):
-                            unexpected.append(key)
-                        continue
-                    part = f.get_slice(key)
-                    shape = tuple(part.get_shape())
-                    if shape != full_shapes[key]:
-                        raise UserError(f"{model_dir}: tensor {key} has shape {shape}, config implies "
-                                        f"{full_shapes[key]}")
-                    how = plan.get(key)
-                    if how is None:
-                        tensor = part[:]
-                    elif how == LEADER_ONLY:
-                        tensor = torch.zeros(shape)
-                    elif how.dim == 0:
-                        tensor = part[how.start:how.stop]
-                    else:
-                        tensor = part[:, how.start:how.stop]
-                    state[key] = tensor.to(torch_dtype)
-        except UserError:
-            raise
-        except Exception as err:
-            raise UserError(f"{path}: could not read safetensors ({err})") from None
-    missing = sorted(expected - state.keys())
+    index = checkpoint_index(model_dir)  # the headers: every check below runs before any tensor is read
+    stored = {key: shape for key, (_path, shape) in index.items()}
+    for key in sorted(expected & stored.keys()):
+        if stored[key] != full_shapes[key]:
+            raise UserError(f"{model_dir}: tensor {key} has shape {stored[key]}, config implies {full_shapes[key]}")
+    missing = sorted(expected - stored.keys())
     if missing:
         raise UserError(f"{model_dir}: weights missing for {len(missing)} tensor(s), e.g. {', '.join(missing[:3])} "
                         f"(config.json says model_type={config.model_type}, {config.num_hidden_layers} layers)")
+    unexpected = sorted(key for key in stored.keys() - expected
+                        if "rotary_emb" not in key and not (key == "lm_head.weight" and config.tie_word_embeddings))
     if unexpected:
-        raise UserError(f"{model_dir}: unexpected tensor(s) {', '.join(sorted(unexpected)[:3])} for "
+        raise UserError(f"{model_dir}: unexpected tensor(s) {', '.join(unexpected[:3])} for "
                         f"model_type={config.model_type} (an unsupported config option or a different architecture)")
-    model.load_state_dict(state, strict=False, assign=True)
+    for key in expected:  # a row-parallel bias off the leader: zeros, nothing to read
+        if plan.get(key) == LEADER_ONLY:
+            assign_tensor(model, key, torch.zeros(full_shapes[key], dtype=torch_dtype, device=device))
+
+    def rank_part(f, key: str) -> torch.Tensor:
+        """The part of `key` this rank holds, read as a safetensors slice (the rest of the tensor is never read)."""
+        how = plan.get(key)
+        if how is None:
+            return f.get_tensor(key)
+        part = f.get_slice(key)
+        return part[how.start:how.stop] if how.dim == 0 else part[:, how.start:how.stop]
+
+    stream_into(model, index, sorted(key for key in expected if plan.get(key) != LEADER_ONLY), rank_part, device,
+                lambda _key: torch_dtype)
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = module.weight.shape
