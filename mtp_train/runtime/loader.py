@@ -107,7 +107,7 @@ def load_model(
 
         state = {k: v for k, v in state.items() if not is_mtp_key(config, k)}
     with torch.device("meta"):
-        model = model_class(config)(config, backend=get_backend(backend, device))
+        model = model_class(config)(config, backend=get_backend(backend, device, torch_dtype))
     expected = {k for k in model.state_dict().keys()}
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
