@@ -162,6 +162,27 @@ def test_load_model_passes_the_backend_through(target_dir):
         load_model(target_dir, dtype="float32", device="cpu", backend="flashinfer")
 
 
+def test_recipe_key_and_generate_option():
+    from mtp_train.cli import build_parser
+    from mtp_train.cli_options import defaults_from_args
+    from mtp_train.recipe import Recipe
+
+    assert Recipe(name="x").target.attention == "auto"
+    with pytest.raises(Exception, match="attention"):
+        Recipe.model_validate({"name": "x", "target": {"attention": "flash"}})
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--attention", "torch"])
+    assert defaults_from_args(args).target.attention == "torch"
+
+
+def test_generate_passes_attention_to_the_loader(target_dir):
+    from mtp_train.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--target", str(target_dir), "--prompt", "hi", "--device", "cpu",
+                                      "--dtype", "float32", "--attention", "flashinfer"])
+    with pytest.raises(UserError, match="runs on CUDA GPUs only"):
+        args.func(args)
+
+
 # ---- the pure-Python part: masks and plan arguments ----------------------------------------------------------------
 
 

@@ -149,7 +149,7 @@ def _runtime_generate_fn(recipe: Recipe) -> GenerateFn:
     device = resolve_device(recipe.target.device)
     precision = resolve_section(recipe.precision, device)
     print(f"prepare --regenerate: {precision.describe()}", flush=True)
-    model = load_model(recipe.target.path, device=device, precision=precision)
+    model = load_model(recipe.target.path, device=device, precision=precision, backend=recipe.target.attention)
     tokenizer = load_chat_tokenizer(recipe.target.path, recipe.data.chat_template)
     stops = stop_token_ids(tokenizer, model.config)
     sampling = SamplingParams(temperature=settings.temperature)
