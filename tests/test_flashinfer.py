@@ -222,14 +222,14 @@ def test_paged_kv_table_is_cut_to_the_attended_keys():
 
 
 @pytest.mark.parametrize("case,kind", [("decode", "decode"), ("verify", "paged"), ("ragged_chunks", "paged"),
-                                       ("tree", "paged"), ("no_cache", "ragged")])
+                                       ("tree", "tree"), ("no_cache", "ragged")])
 def test_plan_arguments(case, kind):
     batch = CASES[case](PageAllocator(24, PAGE_SIZE), "cpu")
     plan = plan_for_batch(batch, 16, 2, HEAD_DIM, 0.125, 4, torch.bfloat16, torch.device("cpu"))
     assert plan.kind == kind
     tensors = [a for a in plan.args if isinstance(a, torch.Tensor)]
     assert tensors and all(t.dtype == torch.int32 and t.device.type == "cpu" for t in tensors)
-    heads_at = {"decode": 3, "paged": 4, "ragged": 2}[kind]  # after the indptrs/indices, in FlashInfer's order
+    heads_at = {"decode": 3, "paged": 4, "tree": 4, "ragged": 2}[kind]  # after the indptrs and indices
     assert plan.args[heads_at:heads_at + 3] == (16, 2, HEAD_DIM)
     assert plan.kwargs["sm_scale"] == 0.125 and plan.kwargs["q_data_type"] == torch.bfloat16
     if kind == "decode":
@@ -242,6 +242,13 @@ def test_plan_arguments(case, kind):
         assert plan.kwargs["causal"] and plan.kwargs["window_left"] == 3
     if kind == "ragged":
         assert torch.equal(plan.args[0], batch.qo_indptr) and plan.args[1] is plan.args[0]
+
+
+def test_causal_and_tree_batches_plan_separate_wrappers():
+    """A wrapper may keep the kernel family of its first plan (FA3 takes no custom mask): trees get their own."""
+    keys = {case: plan_for_batch(CASES[case](PageAllocator(24, PAGE_SIZE), "cpu"), 4, 2, HEAD_DIM, 0.125, None,
+                                 torch.bfloat16, "cpu").wrapper_key for case in ("verify", "tree", "ragged_chunks")}
+    assert keys["verify"] == keys["ragged_chunks"] != keys["tree"]
 
 
 # ---- the backend against an emulation of FlashInfer's documented wrappers (CPU) -------------------------------------

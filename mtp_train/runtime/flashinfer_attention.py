@@ -122,18 +122,23 @@ def tree_custom_mask(batch: BatchInfo, sliding_window: int | None, device: torch
 
 @dataclass
 class FlashInferPlan:
-    """What one batch's wrapper is planned with, shared by every layer: which wrapper (`kind`: decode, paged or
-    ragged), and the `plan()` arguments."""
+    """What one batch's wrapper is planned with, shared by every layer: which wrapper (`kind`), and the `plan()`
+    arguments in FlashInfer's order (`args`, then `kwargs`)."""
 
-    kind: str
+    kind: str  # decode | paged | tree | ragged (paged and tree: both the paged prefill wrapper)
     window_left: int
-    use_tensor_cores: bool
+    use_tensor_cores: bool  # decode only
+    head_dim: int
+    q_dtype: torch.dtype
     args: tuple
     kwargs: dict = field(default_factory=dict)
 
     @property
     def wrapper_key(self) -> tuple:
-        return self.kind, self.window_left, self.use_tensor_cores
+        """The wrapper this plan runs on. Some FlashInfer releases resolve a wrapper's `backend="auto"` (FA2 or
+        FA3) at its first plan() and keep it, and only FA2 takes a custom mask; so causal and tree batches, and
+        plans whose head_dim or dtype may resolve differently, each get their own wrapper."""
+        return self.kind, self.window_left, self.use_tensor_cores, self.head_dim, self.q_dtype
 
 
 def plan_for_batch(batch: BatchInfo, num_qo_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -141,37 +146,37 @@ def plan_for_batch(batch: BatchInfo, num_qo_heads: int, num_kv_heads: int, head_
     """The wrapper and `plan()` arguments for `batch` (indptrs and indices int32 on `device`); see the module doc
     for which wrapper serves which batch. A custom (tree) mask carries the sliding window itself, so that plan has
     no `window_left`: FlashInfer's window counts key slots, while a tree's queries sit at depths, not slots."""
-    dtypes = {"q_data_type": q_dtype, "kv_data_type": q_dtype}
+    common = dict(sm_scale=scale, q_data_type=q_dtype, kv_data_type=q_dtype)
+    window = window_left(sliding_window)
+
+    def plan(kind: str, args: tuple, use_tensor_cores: bool = False, **kwargs) -> FlashInferPlan:
+        return FlashInferPlan(kind, kwargs["window_left"], use_tensor_cores, head_dim, q_dtype, args,
+                              {**kwargs, **common})
+
     if not batch.uses_cache:
         qo_indptr = batch.qo_indptr.to(device=device, dtype=torch.int32)
-        return FlashInferPlan(
-            "ragged", window_left(sliding_window), False,
-            (qo_indptr, qo_indptr, num_qo_heads, num_kv_heads, head_dim),
-            dict(causal=True, window_left=window_left(sliding_window), sm_scale=scale, **dtypes))
+        return plan("ragged", (qo_indptr, qo_indptr, num_qo_heads, num_kv_heads, head_dim), causal=True,
+                    window_left=window)
     kv_indptr, kv_indices, kv_last_page_len = paged_kv_table(batch, device)
     if batch.tree_masks is None and min(batch.q_lens) == batch.max_q_len == 1:  # exactly one query per sequence
-        tensor_cores = num_qo_heads // num_kv_heads > _TENSOR_CORE_DECODE_GROUP
-        return FlashInferPlan(
-            "decode", window_left(sliding_window), tensor_cores,
-            (kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, batch.page_size),
-            dict(window_left=window_left(sliding_window), sm_scale=scale, **dtypes))
+        return plan("decode", (kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                               batch.page_size),
+                    use_tensor_cores=num_qo_heads // num_kv_heads > _TENSOR_CORE_DECODE_GROUP, window_left=window)
     paged_args = (batch.qo_indptr.to(device=device, dtype=torch.int32), kv_indptr, kv_indices, kv_last_page_len,
                   num_qo_heads, num_kv_heads, head_dim, batch.page_size)
     if batch.tree_masks is not None:
-        return FlashInferPlan("paged", -1, False, paged_args,
-                              dict(custom_mask=tree_custom_mask(batch, sliding_window, device), causal=False,
-                                   window_left=-1, sm_scale=scale, **dtypes))
-    return FlashInferPlan("paged", window_left(sliding_window), False, paged_args,
-                          dict(causal=True, window_left=window_left(sliding_window), sm_scale=scale, **dtypes))
+        return plan("tree", paged_args, custom_mask=tree_custom_mask(batch, sliding_window, device), causal=False,
+                    window_left=-1)
+    return plan("paged", paged_args, causal=True, window_left=window)
 
 
 class FlashInferAttention(AttentionBackend):
     """FlashInfer's batch attention kernels (see the module doc); a torch backend for the calls they cannot serve.
 
     One float workspace per instance, shared by its wrappers (they run one after another on the device's stream);
-    one wrapper per (kind, window, tensor cores), so that layers with and without a sliding window do not re-plan
-    each other's wrapper. A wrapper is re-planned when a layer brings another batch than the one it was last planned
-    for (a target and its draft head can share this backend and interleave their batches)."""
+    one wrapper per `FlashInferPlan.wrapper_key`, so that e.g. layers with and without a sliding window do not
+    re-plan each other's wrapper. A wrapper is planned again when a layer brings another batch than the one it was
+    last planned for (a target and its draft head can share this backend and interleave their batches)."""
 
     name = "flashinfer"
 
@@ -202,7 +207,7 @@ class FlashInferAttention(AttentionBackend):
             if plan.kind == "decode":
                 wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     workspace, "NHD", use_tensor_cores=plan.use_tensor_cores)
-            elif plan.kind == "paged":
+            elif plan.kind in ("paged", "tree"):
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
             else:
                 wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
