@@ -408,6 +408,29 @@ def test_emulated_greedy_generation_matches_torch(emulated, target_dir):
     assert _EmulatedWrapper.plans > 0
 
 
+def test_emulated_tree_speculation_matches_torch_greedy(emulated, target_dir):
+    """Tree drafting by an MTP head sharing the target's backend (their batches interleave on its wrappers), the
+    verify through tree plans: the torch backend's plain greedy tokens."""
+    from mtp_train.heads import DraftHead, HeadConfig
+    from mtp_train.runtime.generate import generate
+    from mtp_train.runtime.loader import load_model
+    from mtp_train.runtime.spec import DraftTree, TreeShape, speculative_generate
+
+    prompts = [[3, 17, 42, 5, 9], [60, 61, 62, 63, 64, 65, 66, 67, 68]]
+    by_torch, _ = generate(load_model(target_dir, dtype="float32", device="cpu", backend="torch"), prompts, 16,
+                           page_size=4)
+    target = load_model(target_dir, dtype="float32", device="cpu", backend="torch")
+    target.backend = emulated
+    torch.manual_seed(0)
+    head = DraftHead.from_target(target, HeadConfig.for_target(target.config, kind="mtp", init="last_layer"))
+    assert head.backend is emulated
+    results, stats = speculative_generate(target, DraftTree(head, TreeShape.parse("3x2x6")), prompts, 16, 3,
+                                          page_size=4, allocator=PageAllocator(64, page_size=4))
+    assert stats.schedule == "tree" and stats.verify_sequence_steps > 0
+    assert "tree" in {key[1] for key in emulated._wrappers}  # (device, kind, ...): the verify ran on tree plans
+    assert [r.token_ids for r in results] == [r.token_ids for r in by_torch]
+
+
 def test_the_torch_backend_serves_what_flashinfer_cannot():
     q = torch.randn(3, 4, 16)
     assert not FlashInferAttention.serves(q, q[:, :2], q[:, :2], None)  # CPU, fp32
