@@ -58,6 +58,13 @@ class TargetSection(_Section):
         "tensor_parallel.py) in precompute and eval; under torchrun the world size must be a multiple of it: W/N "
         "data-parallel groups of N ranks each (`--tp N` sets it)",
     )
+    attention: Literal["auto", "torch", "flashinfer"] = Field(
+        "auto",
+        description="attention kernels of the target's runtime in precompute, eval, generate and data regeneration: "
+        "torch = SDPA (any device and dtype); flashinfer = FlashInfer's paged and ragged batch kernels (CUDA, "
+        "bf16/fp16, the optional extra `pip install 'mtp_train[gpu]'`); auto = flashinfer on CUDA with bf16/fp16 "
+        "weights where it is installed, else torch. Training and DeepSeek (MLA) targets always attend with torch",
+    )
 
 
 class PrecisionSection(_Section):

@@ -187,7 +187,8 @@ def _run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_ne
     precision = group.broadcast_object(precision)  # one decode path on every rank: the same logits, the same tokens
     if layout.is_leader:
         print(f"eval: {precision.describe()}", flush=True)
-    target = load_model_tensor_parallel(recipe.target.path, group, device=device, precision=precision)
+    target = load_model_tensor_parallel(recipe.target.path, group, device=device, precision=precision,
+                                       backend=recipe.target.attention)
     if layout.is_leader and layout.tensor_parallel > 1:
         print(f"eval: {describe(layout, target.config)}", flush=True)
     tokenizer = load_tokenizer(recipe.target.path)

@@ -19,6 +19,7 @@ from mtp_train.cli_options import add_recipe_options, defaults_from_args
 
 # The recipe's precision keys `generate` takes as options (it reads no recipe: the schema's defaults, then these).
 PRECISION_OPTIONS = ("precision.compute", "precision.decode", "precision.kv_cache", "precision.head_decode")
+RUNTIME_OPTIONS = ("target.attention",)  # --attention
 
 
 def register(subparsers) -> None:
@@ -41,7 +42,7 @@ def register(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    add_recipe_options(p, PRECISION_OPTIONS)
+    add_recipe_options(p, PRECISION_OPTIONS + RUNTIME_OPTIONS)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     draft = p.add_mutually_exclusive_group()
@@ -131,7 +132,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from mtp_train.runtime.sampler import SamplingParams
 
     check_generate_args(args)
-    section = defaults_from_args(args).precision
+    options = defaults_from_args(args)
+    section = options.precision
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     except ValueError as err:
@@ -141,7 +143,7 @@ def run_generate(args: argparse.Namespace) -> int:
     precision = resolve_section(section, device)
     if not args.json:
         print(f"[{precision.describe()}]", file=sys.stderr)
-    model = load_model(target, device=device, precision=precision)
+    model = load_model(target, device=device, precision=precision, backend=options.target.attention)
     tokenizer = load_tokenizer(target)
     user_messages = list(args.prompt or []) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     system = [{"role": "system", "content": args.system}] if args.system is not None else []

@@ -150,7 +150,8 @@ class _RegenerationTarget:
         from mtp_train.runtime.tensor_parallel import load_model_tensor_parallel
 
         self.recipe = recipe
-        self.model = load_model_tensor_parallel(recipe.target.path, group, device=device, precision=precision)
+        self.model = load_model_tensor_parallel(recipe.target.path, group, device=device, precision=precision,
+                                                backend=recipe.target.attention)
         self.tokenizer = load_chat_tokenizer(recipe.target.path, recipe.data.chat_template)
         self.stops = stop_token_ids(self.tokenizer, self.model.config)
         self.sampling = SamplingParams(temperature=recipe.data.regenerate.temperature)

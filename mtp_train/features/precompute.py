@@ -346,7 +346,8 @@ class _RuntimeTarget:
         self.recipe = with_precision(recipe, precision.recipe_values())
         if env.rank == 0:
             print(f"precompute: {precision.describe()}", flush=True)
-        model = load_model_tensor_parallel(recipe.target.path, group, dtype=precision.dtype, device=device)
+        model = load_model_tensor_parallel(recipe.target.path, group, dtype=precision.dtype, device=device,
+                                          backend=recipe.target.attention)
         if env.rank == 0 and layout.tensor_parallel > 1:
             print(f"precompute: {describe(layout, model.config)}", flush=True)
         model.kv_cache_dtype = TORCH_DTYPES[precision.kv_cache_dtype or precision.dtype]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from mtp_train.errors import UserError
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 
 
@@ -338,8 +339,37 @@ class TorchAttention(AttentionBackend):
         return torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]
 
 
-def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """`torch` everywhere; `flashinfer` (CUDA only) arrives with its own issue; `auto` picks the best available."""
-    if name in ("auto", "torch"):
+BACKEND_NAMES = ("auto", "torch", "flashinfer")
+
+
+def get_backend(name: str = "auto", device: torch.device | str = "cpu",
+                dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The attention backend `name` (`target.attention`) for a model on `device` whose weights are in `dtype`.
+
+    `torch` runs everywhere. `flashinfer` (runtime/flashinfer_attention.py) needs CUDA, fp16/bf16 and the optional
+    flashinfer-python package: asked for without them it is a UserError saying what is missing. `auto` picks
+    flashinfer on CUDA with an fp16/bf16 `dtype` when the package imports, else torch (also when `dtype` is not
+    given, e.g. for training, which needs torch's backward pass)."""
+    if name not in BACKEND_NAMES:
+        raise UserError(f"target.attention: unknown attention backend {name!r}; choose one of "
+                        f"{', '.join(BACKEND_NAMES)}")
+    if name == "torch":
         return TorchAttention()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch")
+    on_cuda = torch.device(device).type == "cuda"
+    half = dtype in (torch.float16, torch.bfloat16)
+    if name == "auto":
+        if not (on_cuda and half):
+            return TorchAttention()
+        from mtp_train.runtime.flashinfer_attention import FlashInferAttention, flashinfer_available
+
+        return FlashInferAttention() if flashinfer_available() else TorchAttention()
+    if not on_cuda:
+        raise UserError(f"target.attention: flashinfer (FlashInfer's kernels, the optional extra mtp_train[gpu]) "
+                        f"runs on CUDA GPUs only, the target is on {device}; use target.attention: torch (or auto) "
+                        "on this machine")
+    if dtype is not None and not half:
+        raise UserError(f"target.attention: flashinfer computes in float16/bfloat16, the target's weights are {dtype}; "
+                        "set precision.compute bfloat16 (or float16), or target.attention: torch")
+    from mtp_train.runtime.flashinfer_attention import FlashInferAttention
+
+    return FlashInferAttention()

@@ -150,7 +150,7 @@ def load_model(
     if config.deepseek is not None:  # DeepSeek's MTP modules (model.layers.{L + k}.*) are heads, not target layers
         stored = {k for k in stored if not is_mtp_key(config, k)}
     with torch.device("meta"):
-        model = model_class(config)(config, backend=get_backend(backend, device))
+        model = model_class(config)(config, backend=get_backend(backend, device, torch_dtype))
     shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     expected = set(shapes)
     if config.tie_word_embeddings:
