@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp_train.errors import UserError
+from mtp_train.runtime.host_sync import to_device
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 
 
@@ -45,6 +46,9 @@ class BatchInfo:
     # stored hidden states are those a decode over a bf16 K/V cache computes (`features/precompute.py`); never for a
     # DeepSeek target, whose latent cache keeps the model's dtype.
     kv_dtype: torch.dtype | None = None
+    # With a cache: per sequence the pages its keys are read from (`kv_page_indices` split by `kv_page_indptr`, kept
+    # as host lists so that the attention plans without reading a tensor back).
+    kv_page_table: list[list[int]] | None = None
     _plans: dict = field(default_factory=dict, repr=False)  # per-backend precomputation, shared by all layers
 
     @property
@@ -67,8 +71,13 @@ class BatchInfo:
         return self.slot_mapping is not None
 
     def last_token_indices(self) -> torch.Tensor:
-        """Row of each sequence's last new token (where next-token logits are read)."""
-        return (self.qo_indptr[1:] - 1).long()
+        """[batch] int64 on the batch's device: row of each sequence's last new token (where next-token logits are
+        read); built from the host's lengths, copied without waiting for the device."""
+        rows, end = [], 0
+        for count in self.q_lens:
+            end += count
+            rows.append(end - 1)
+        return to_device(rows, torch.long, self.positions.device)
 
     @staticmethod
     def without_cache(lengths: list[int], device: torch.device | str = "cpu",
@@ -96,8 +105,11 @@ class BatchInfo:
         the same kernel call (a head's greedy draft chain, `mtp_head_chain`); not a batch for FlashInfer's plan."""
         # Built in Python lists, one tensor per field: a decode step calls this once per forward (the target's, and
         # a draft head's), and per-sequence tensor ops cost more than the few numbers they compute.
+        # The device fields (positions, slot_mapping) are copied without waiting for the device (`to_device`), so
+        # this runs while the previous forward is still on the device.
         page_size = allocator.page_size
         positions, slots, qo_indptr, page_indptr, page_indices, last_page_len, kv_lens = [], [], [0], [0], [], [], []
+        page_table = []
         for seq, count in zip(sequences, new_token_counts, strict=True):
             start = seq.num_cached
             end = start + count
@@ -106,7 +118,8 @@ class BatchInfo:
             positions.extend(range(start, end))
             slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
             used_pages = -(-(end + reserve_ahead) // page_size)
-            page_indices.extend(pages[:used_pages])
+            page_table.append(pages[:used_pages])
+            page_indices.extend(page_table[-1])
             qo_indptr.append(qo_indptr[-1] + count)
             page_indptr.append(page_indptr[-1] + used_pages)
             last_page_len.append(end + reserve_ahead - (used_pages - 1) * page_size)
@@ -114,7 +127,7 @@ class BatchInfo:
             if advance:
                 seq.num_cached = end
         return BatchInfo(
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            positions=to_device(positions, torch.long, device),
             q_lens=list(new_token_counts),
             kv_lens=kv_lens,
             qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32),
@@ -122,7 +135,8 @@ class BatchInfo:
             kv_page_indptr=torch.tensor(page_indptr, dtype=torch.int32),
             kv_page_indices=torch.tensor(page_indices, dtype=torch.int32),
             kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=to_device(slots, torch.long, device),
+            kv_page_table=page_table,
         )
 
 
@@ -145,7 +159,7 @@ class BatchInfo:
                 raise ValueError(f"sequence {b}: tree mask of shape {tuple(mask.shape)} for {counts[b]} new tokens "
                                  f"after {seq.num_cached} cached")
         batch = BatchInfo.for_sequences(sequences, counts, allocator, device)
-        batch.positions = torch.tensor([p for ps in positions for p in ps], dtype=torch.long, device=device)
+        batch.positions = to_device([p for ps in positions for p in ps], torch.long, device)
         batch.tree_masks = [mask.to(device=device, dtype=torch.bool) for mask in tree_masks]
         return batch
 
@@ -230,44 +244,65 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def _plan(self, batch: BatchInfo, sliding_window: int | None, device) -> dict:
+        """What every layer of a forward shares: each sequence's rows, where its keys are read from (a slice of the
+        flat cache where its pages follow each other, else a slot index) and its mask; for a uniform batch the padded
+        slots [batch, max_kv] and mask [batch, 1, n_q, max_kv]. Built from the batch's host lists; what goes to the
+        device is copied without waiting for it (`to_device`), one tensor per field."""
         key = (self.name, sliding_window)
         if key in batch._plans:
             return batch._plans[key]
         plan: dict = {}
-        bounds = batch.qo_indptr.tolist()
-        plan["rows"] = [(bounds[b], bounds[b + 1]) for b in range(batch.batch_size)]
+        rows, end = [], 0
+        for count in batch.q_lens:
+            rows.append((end, end + count))
+            end += count
+        plan["rows"] = rows
+        uniform = len(set(batch.q_lens)) == 1 and batch.batch_size > 1 and batch.uses_cache
+        plan["uniform"] = uniform
+        page_table = batch.kv_page_table
+        if batch.uses_cache and page_table is None:  # a batch built by hand: its page table read back once
+            page_indptr, page_indices = batch.kv_page_indptr.tolist(), batch.kv_page_indices.tolist()
+            page_table = [page_indices[page_indptr[b]:page_indptr[b + 1]] for b in range(batch.batch_size)]
+        page_size = batch.page_size
         if batch.uses_cache:
-            page_size = batch.page_size
-            page_indptr = batch.kv_page_indptr.tolist()
-            page_indices = batch.kv_page_indices.to(torch.long)
             kv_slots = []
-            for b in range(batch.batch_size):
-                pages = page_indices[page_indptr[b] : page_indptr[b + 1]]
-                slots = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)[: batch.kv_lens[b]]
+            for pages, kv_len in zip(page_table, batch.kv_lens):
+                pages = pages[: -(-kv_len // page_size)]
                 # Pages that follow each other in the pool (the usual case for a request allocated step by step)
                 # are read as one slice, a view; otherwise the slots are gathered (index_select, faster than
                 # advanced indexing on CPU).
-                contiguous = bool(slots.numel()) and int(slots[-1] - slots[0]) == slots.numel() - 1 and bool(
-                    (slots[1:] > slots[:-1]).all())
-                kv_slots.append(slice(int(slots[0]), int(slots[-1]) + 1) if contiguous else slots.to(device))
+                if all(b == a + 1 for a, b in zip(pages, pages[1:])):
+                    first = pages[0] * page_size if pages else 0
+                    kv_slots.append(slice(first, first + kv_len))
+                else:
+                    slots = [page * page_size + i for page in pages for i in range(page_size)][:kv_len]
+                    kv_slots.append(to_device(slots, torch.long, device))
             plan["kv_slots"] = kv_slots
-        uniform = len(set(batch.q_lens)) == 1 and batch.batch_size > 1 and batch.uses_cache
-        plan["uniform"] = uniform
         if uniform:
             n_q, max_kv = batch.q_lens[0], max(batch.kv_lens)
-            padded_slots = torch.zeros(batch.batch_size, max_kv, dtype=torch.long, device=device)
-            mask = torch.zeros(batch.batch_size, 1, n_q, max_kv, dtype=torch.bool, device=device)
-            for b, slots in enumerate(plan["kv_slots"]):
-                kv_len = batch.kv_lens[b]
-                padded_slots[b, :kv_len] = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
-                q_positions = batch.positions[bounds[b] : bounds[b + 1]]
-                mask[b, 0, :, :kv_len] = _allowed_mask(q_positions, kv_len, sliding_window) \
-                    if batch.tree_masks is None else \
-                    _tree_allowed_mask(q_positions, kv_len, batch.tree_masks[b], sliding_window)
-            plan["padded_slots"], plan["padded_mask"] = padded_slots, mask
+            max_pages = -(-max_kv // page_size)
+            padded_pages = [pages[:max_pages] + [0] * (max_pages - len(pages[:max_pages])) for pages in page_table]
+            pages_t = to_device(padded_pages, torch.long, device)  # [batch, max_pages]
+            offsets = torch.arange(page_size, device=device)
+            padded_slots = (pages_t[:, :, None] * page_size + offsets).view(batch.batch_size, -1)[:, :max_kv]
+            q_positions = batch.positions.view(batch.batch_size, n_q)  # [batch, n_q]
+            if batch.tree_masks is None:
+                # Causal on the positions: a query at position p < kv_len sees keys 0..p, never the padding.
+                key_positions = torch.arange(max_kv, device=device)
+                mask = key_positions[None, None, :] <= q_positions[:, :, None]  # [batch, n_q, max_kv]
+                if sliding_window is not None:
+                    mask &= key_positions[None, None, :] > q_positions[:, :, None] - sliding_window
+                mask = mask[:, None]
+            else:
+                mask = torch.zeros(batch.batch_size, 1, n_q, max_kv, dtype=torch.bool, device=device)
+                for b in range(batch.batch_size):
+                    kv_len = batch.kv_lens[b]
+                    mask[b, 0, :, :kv_len] = _tree_allowed_mask(q_positions[b], kv_len, batch.tree_masks[b],
+                                                                 sliding_window)
+            plan["padded_slots"], plan["padded_mask"] = padded_slots.contiguous(), mask
         else:
             masks = []
-            for b, (start, end) in enumerate(plan["rows"]):
+            for b, (start, end) in enumerate(rows):
                 q_positions = batch.positions[start:end]
                 kv_len = batch.kv_lens[b]
                 n_q = end - start

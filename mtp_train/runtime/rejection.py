@@ -1,4 +1,5 @@
-"""The speculative-decoding rejection sampler (Leviathan et al. 2023; Chen et al. 2023), one sequence at a time.
+"""The speculative-decoding rejection sampler (Leviathan et al. 2023; Chen et al. 2023), per sequence and for a batch
+of chains at once.
 
 Given k draft tokens `d_1..d_k`, the draft distributions `q_j` they were sampled from and the target distributions
 `p_0..p_k` at the same positions (`p_j` predicts the token after `d_j`, `p_0` the one after the last committed
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mtp_train.runtime.host_sync import to_device
+
 # Below this total mass the residual max(0, p - q) is rounding noise (p == q up to float error); sample from p.
 _RESIDUAL_EPS = 1e-8
 
@@ -29,6 +32,7 @@ _RESIDUAL_EPS = 1e-8
 class RejectionResult:
     accepted_len: int  # how many leading draft tokens were accepted (0..k)
     token_ids: list[int]  # accepted drafts + one corrected (on rejection) or bonus (all accepted) token: length a+1
+    drafted: tuple[int, ...] = ()  # every draft token, read back with the verdict (batched verdicts only)
 
     @property
     def path(self) -> list[int]:
@@ -90,6 +94,100 @@ def rejection_sample(
         next_probs = residual / mass if mass > _RESIDUAL_EPS else target_probs[accepted_len]
     next_token = int(torch.multinomial(next_probs, 1, generator=generator))
     return RejectionResult(accepted_len, drafts + [next_token])
+
+
+# ---- a batch of chains at once (the speculative step) --------------------------------------------------------------
+#
+# The step verifies every sequence's chain in one target forward over the flat rows [T] (sequence b: its root, then
+# its k_b drafts; `verify_lens[b]` = k_b + 1). The verdicts of all sequences are computed on the device and read back
+# in ONE transfer, the only time the step waits for the device.
+
+
+def _chain_layout(verify_lens: list[int]) -> tuple[list[int], int, list[list[int]], list[list[bool]]]:
+    """Host-built gather layout of a batch of chains: (each sequence's first row, K = the most drafts, per sequence
+    the flat row of each padded position 0..K (its root and drafts, then its last row repeated), and whether
+    position j < K is one of its drafts)."""
+    starts, start = [], 0
+    for n in verify_lens:
+        starts.append(start)
+        start += n
+    most = max(verify_lens, default=1) - 1
+    rows = [[s + min(j, n - 1) for j in range(most + 1)] for s, n in zip(starts, verify_lens)]
+    drafted = [[j < n - 1 for j in range(most)] for n in verify_lens]
+    return starts, most, rows, drafted
+
+
+def greedy_accept_chains(input_ids: torch.Tensor, target_argmax: torch.Tensor, verify_lens: list[int]
+                         ) -> list[RejectionResult]:
+    """`greedy_accept` for every sequence of a verify batch, with one device→host transfer. `input_ids` [T]: each
+    sequence's root then drafts; `target_argmax` [T]: the target's argmax at each of those rows. A draft is accepted
+    while it equals the argmax of the row before it; the emitted tokens are then the argmax of the root and of each
+    accepted draft's row (an accepted draft IS the argmax before it)."""
+    starts, most, rows, drafted = _chain_layout(verify_lens)
+    device = target_argmax.device
+    if most == 0:
+        accepted_len = torch.zeros(len(verify_lens), dtype=torch.long, device=device)
+    else:
+        # matches[i]: row i's argmax equals the next row's input (row i + 1's draft); a padded position reads False
+        matches = torch.cat([target_argmax[:-1] == input_ids[1:], target_argmax.new_zeros(1, dtype=torch.bool)])
+        no_match = matches.shape[0] - 1
+        index = [[r if ok else no_match for r, ok in zip(seq_rows[:most], seq_drafted)]
+                 for seq_rows, seq_drafted in zip(rows, drafted)]
+        accepted = matches[to_device(index, torch.long, device)]  # [B, K]
+        accepted_len = accepted.long().cumprod(1).sum(1)  # [B]: leading run of accepted drafts
+    batch_size = len(verify_lens)
+    host = torch.cat([accepted_len, target_argmax.long(), input_ids.long()]).tolist()  # the step's one transfer
+    num_rows = input_ids.shape[0]
+    lengths, choices, ids = host[:batch_size], host[batch_size : batch_size + num_rows], host[batch_size + num_rows :]
+    return [RejectionResult(a, choices[s : s + a + 1], tuple(ids[s + 1 : s + n]))
+            for a, s, n in zip(lengths, starts, verify_lens)]
+
+
+def rejection_sample_chains(
+    input_ids: torch.Tensor,  # [T] int64: each sequence's root, then its drafts
+    draft_probs: list[torch.Tensor],  # per sequence [k_b, vocab] fp32: what its drafts were sampled from
+    target_probs: torch.Tensor,  # [T, vocab] fp32: the target's distribution at each row
+    verify_lens: list[int],  # k_b + 1 per sequence
+    generator: torch.Generator | None = None,
+) -> list[RejectionResult]:
+    """`rejection_sample` for every sequence of a verify batch, with one device→host transfer: one uniform per draft
+    and the accept tests of all sequences in one batch, then the corrected (or bonus) token of every sequence from
+    one batched draw. The same rule per sequence as `rejection_sample`, so the emitted tokens are distributed as the
+    target's own samples (the random stream is consumed in another order, so a seed gives other samples)."""
+    starts, most, rows, drafted = _chain_layout(verify_lens)
+    device, vocab = target_probs.device, target_probs.shape[-1]
+    batch_size = len(verify_lens)
+    for b, (n, q) in enumerate(zip(verify_lens, draft_probs)):
+        if q.shape != (n - 1, vocab):
+            raise ValueError(f"sequence {b}: expected draft_probs of shape [{n - 1}, {vocab}], got {tuple(q.shape)}")
+    target_probs = target_probs.float()
+    row_index = to_device(rows, torch.long, device)  # [B, K + 1]
+    p = target_probs[row_index]  # [B, K + 1, vocab]: p_j, padded with the sequence's last row
+    # q_j [B, K + 1, vocab], zero past a sequence's drafts (the bonus position: residual max(0, p - 0) = p)
+    q = torch.stack([torch.cat([probs.float(), probs.new_zeros(most + 1 - probs.shape[0], vocab)])
+                     for probs in draft_probs])
+    num_drafts = to_device([n - 1 for n in verify_lens], torch.long, device)  # [B]
+    if most > 0:
+        draft_tokens = input_ids[row_index[:, 1:]]  # [B, K] (padding: the last row's token, never accepted)
+        target_p = p[:, :-1].gather(-1, draft_tokens[..., None])[..., 0]  # [B, K]: p_j(d_j)
+        draft_q = q[:, :-1].gather(-1, draft_tokens[..., None])[..., 0]  # [B, K]: q_j(d_j)
+        uniforms = torch.rand(batch_size, most, generator=generator, device=device)  # [B, K]
+        # u < p/q without dividing: q = 0 accepts iff p > 0; p = 0 never accepts (strict inequality).
+        accepted = (uniforms * draft_q < target_p) & to_device(drafted, torch.bool, device)
+        accepted_len = accepted.long().cumprod(1).sum(1)  # [B]
+    else:
+        accepted_len = torch.zeros(batch_size, dtype=torch.long, device=device)
+    at = torch.arange(batch_size, device=device)
+    p_next, q_next = p[at, accepted_len], q[at, accepted_len]  # [B, vocab]
+    residual = (p_next - q_next).clamp_(min=0)
+    mass = residual.sum(-1, keepdim=True)  # [B, 1]
+    from_p = (accepted_len == num_drafts)[:, None] | (mass <= _RESIDUAL_EPS)  # the bonus, or p == q up to rounding
+    next_probs = torch.where(from_p, p_next, residual / mass.clamp(min=_RESIDUAL_EPS))
+    next_token = torch.multinomial(next_probs, 1, generator=generator)[:, 0]  # [B]
+    host = torch.cat([accepted_len, next_token, input_ids.long()]).tolist()  # the step's one transfer
+    lengths, tokens, ids = host[:batch_size], host[batch_size : 2 * batch_size], host[2 * batch_size :]
+    return [RejectionResult(a, ids[s + 1 : s + 1 + a] + [t], tuple(ids[s + 1 : s + n]))
+            for a, t, s, n in zip(lengths, tokens, starts, verify_lens)]
 
 
 # ---- draft trees (runtime/spec/tree.py) ---------------------------------------------------------------------------

@@ -22,14 +22,34 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.generate import GenerationResult, Outputs, check_lengths, pages_for
+from mtp_train.runtime.host_sync import to_device
 from mtp_train.runtime.kv_cache import PageAllocator
 from mtp_train.runtime.model import CausalLM
-from mtp_train.runtime.sampler import SamplingParams, sample
-from mtp_train.runtime.spec.proposer import Request, accepted_rows, compact_accepted_path, make_proposer, rewind
+from mtp_train.runtime.rejection import greedy_accept_chains, rejection_sample_chains
+from mtp_train.runtime.sampler import SamplingParams, processed_probs, sample
+from mtp_train.runtime.spec.proposer import (
+    DraftProposal,
+    Request,
+    accepted_rows,
+    compact_accepted_path,
+    make_proposer,
+    rewind,
+)
 from mtp_train.runtime.spec.stats import SpecStats
 from mtp_train.runtime.spec.tree import DraftTree, TreeProposer
 
 MAX_SPECULATIVE_TOKENS = 8
+
+
+def chain_input_ids(roots: list[int], proposals: list[DraftProposal], device: torch.device | str) -> torch.Tensor:
+    """The verify's input [sum(k_b + 1)]: each sequence's root (its last committed token, on the host) then its
+    drafts (on the device), assembled on the device without reading the drafts back."""
+    root_ids = to_device(roots, torch.long, device)  # [B]
+    sizes = {p.size for p in proposals}
+    if len(sizes) == 1:  # every sequence drafts the same count: [B, k + 1] flattened
+        drafts = torch.stack([p.draft_token_ids.to(torch.long) for p in proposals])  # [B, k]
+        return torch.cat([root_ids[:, None], drafts], dim=1).view(-1)
+    return torch.cat([piece for b, p in enumerate(proposals) for piece in (root_ids[b : b + 1], p.draft_token_ids)])
 
 
 @torch.inference_mode()
@@ -102,23 +122,32 @@ def speculative_generate(
         verify_lens = [p.size + 1 for p in proposals]
         views = [r.target_view for r in active]
         masks = [p.verify_mask() for p in proposals]
-        if any(mask is not None for mask in masks):  # a tree: node i sits at root position + its depth
+        tree = any(mask is not None for mask in masks)
+        if tree:  # a tree: node i sits at root position + its depth
             positions = [[start, *(start + d for d in p.depths)] for start, p in zip(verify_starts, proposals)]
             batch = BatchInfo.for_tree(views, positions, masks, allocator, device)
+            input_ids = to_device([t for r, p in zip(active, proposals) for t in (r.token_ids[-1], *p.tokens)],
+                                  torch.long, device)  # [sum(n_b + 1)]
         else:
             batch = BatchInfo.for_sequences(views, verify_lens, allocator, device)
-        input_ids = torch.tensor([t for r, p in zip(active, proposals) for t in (r.token_ids[-1], *p.tokens)],
-                                 device=device)  # [sum(n_b + 1)]
+            input_ids = chain_input_ids([r.token_ids[-1] for r in active], proposals, device)  # [sum(k_b + 1)]
         out = target(input_ids, batch, target_cache, return_hidden=True, aux_layers=proposer.aux_layers)
         stats.target_forwards += 1
         stats.target_sequence_forwards += len(active)
         stats.verify_sequence_steps += len(active)
-        logits_per_request = out.logits.split(verify_lens)  # [n_b + 1, vocab] each
         hidden_per_request = proposer.target_states(out).split(verify_lens)  # [n_b + 1, d (3d)] each
+        if tree:
+            logits_per_request = out.logits.split(verify_lens)  # [n_b + 1, vocab] each
+            verdicts = [p.accept(logits, r.token_ids[-1], sampling, generator)
+                        for r, p, logits in zip(active, proposals, logits_per_request)]
+        elif sampling.greedy:  # every chain's verdict on the device, read back in one transfer
+            verdicts = greedy_accept_chains(input_ids, out.logits.argmax(-1), verify_lens)
+        else:
+            verdicts = rejection_sample_chains(input_ids, [p.draft_probs for p in proposals],
+                                               processed_probs(out.logits, sampling), verify_lens, generator)
         still_active = []
-        for req, proposal, start, logits, hidden in zip(active, proposals, verify_starts, logits_per_request,
-                                                        hidden_per_request):
-            verdict = proposal.accept(logits, req.token_ids[-1], sampling, generator)
+        for req, proposal, start, verdict, hidden in zip(active, proposals, verify_starts, verdicts,
+                                                         hidden_per_request):
             accepted_len = len(verdict.path)
             stats.drafted_tokens += proposal.size
             stats.accepted_tokens += accepted_len
@@ -132,6 +161,7 @@ def speculative_generate(
             compact_accepted_path(target_cache, req.target_view, start, verdict.path)
             rewind(req.target_view, start + accepted_len + 1)
             proposer.observe_target(req.draft, accepted_rows(hidden, verdict.path), start)
+            proposer.observe_verdict(req.draft, verdict)
             still_active.append(req)
         if still_active:
             proposer.catch_up(still_active)
@@ -143,7 +173,7 @@ def speculative_generate(
         # ---- prefill: target over the prompts, first token, then the draft catches up -----------------------------
         start = time.perf_counter()
         batch = BatchInfo.for_sequences([r.target_view for r in requests], [len(p) for p in prompts], allocator, device)
-        input_ids = torch.tensor([t for p in prompts for t in p], device=device)
+        input_ids = to_device([t for p in prompts for t in p], torch.long, device)
         out = target(input_ids, batch, target_cache, logits_indices=batch.last_token_indices(), return_hidden=True,
                      aux_layers=proposer.aux_layers)
         stats.target_forwards += 1

@@ -26,6 +26,7 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.decode_runner import HeadRunner
+from mtp_train.runtime.host_sync import to_device
 from mtp_train.runtime.spec.proposer import DraftProposal, DraftState, Proposer, Request, rewind
 
 
@@ -97,7 +98,7 @@ class MTPChainProposer(Proposer):
             row_counts.append(num_rows)
         hidden = (requests[0].draft.target_hidden if len(requests) == 1
                   else torch.cat([r.draft.target_hidden for r in requests]))  # [sum rows, d]
-        return torch.tensor(token_ids, device=self.device), hidden, row_counts
+        return to_device(token_ids, torch.long, self.device), hidden, row_counts
 
     def _run_catch_up(self, requests: list[Request]) -> None:
         """The head's forward over the pending rows; sets each request's head state and next-token logits."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mtp_train.runtime.host_sync import to_device
 from mtp_train.runtime.sampler import SamplingParams
 from mtp_train.runtime.spec.proposer import DraftProposal, DraftState, Proposer, Request
 
@@ -92,7 +93,7 @@ class PromptLookupProposer(Proposer):
             for _ in range(count):
                 req.draft.context.append(self._next_token(req.draft.context))
             drafted = req.draft.context[len(req.draft.context) - count:] if count else []
-            proposals.append(DraftProposal(torch.tensor(drafted, dtype=torch.long, device=self.device), None))
+            proposals.append(DraftProposal(to_device(drafted, torch.long, self.device), None))
         return proposals
 
     def draft_step(self, requests, token_ids, carried):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtp_train.errors import UserError
+from mtp_train.runtime.host_sync import to_device
 from mtp_train.runtime.kv_cache import KVCache, PageAllocator, Sequence
 from mtp_train.runtime.model import CausalLM
 from mtp_train.runtime.rejection import RejectionResult, greedy_accept, rejection_sample
@@ -191,6 +192,10 @@ class Proposer:
         first_position.. of its last forward over this request (the committed ones only); a proposer that drafts from
         them keeps them for `catch_up`."""
 
+    def observe_verdict(self, state: DraftState, verdict) -> None:
+        """The verify's verdict on this request's proposal (`RejectionResult`, with every draft read back in
+        `drafted`); a proposer whose cache holds drafts checks them against it in `catch_up`."""
+
     def catch_up(self, requests: list[Request]) -> None:
         raise NotImplementedError
 
@@ -221,11 +226,13 @@ class Proposer:
         sampling: SamplingParams,
         generator: torch.Generator,
     ) -> list[DraftProposal]:
-        """Draft `num_drafts[b]` tokens for request b (0 allowed), starting from the carried `draft.next_logits`."""
+        """Draft `num_drafts[b]` tokens for request b (0 allowed), starting from the carried `draft.next_logits`.
+        The drafts stay on the device: nothing here waits for it (the verify reads them back with its verdicts)."""
         batch_size = len(requests)
-        tokens: list[list[int]] = [[] for _ in range(batch_size)]
-        probs: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]  # [vocab] rows
         rows = [b for b in range(batch_size) if num_drafts[b] > 0]  # requests drafting at this position
+        step_rows: list[list[int]] = []  # per draft position j: the requests that draft a j-th token
+        step_drafts: list[torch.Tensor] = []  # per position j: their drafts [m_j] (target ids)
+        step_probs: list[torch.Tensor | None] = []  # per position j: [m_j, V] what they were sampled from
         drafted = torch.empty(0, dtype=torch.long)  # [m] the last drafted ids, fed back in the next draft step
         if rows:
             logits = torch.stack([requests[b].draft.next_logits for b in rows])  # [m, vocab]
@@ -233,30 +240,40 @@ class Proposer:
         for j in range(max(num_drafts, default=0)):
             if j > 0:
                 keep = [i for i, b in enumerate(rows) if num_drafts[b] > j]
-                rows = [rows[i] for i in keep]
-                keep_index = torch.tensor(keep, device=self.device)
-                carried = carried[keep_index] if carried is not None else None
-                logits, carried = self.draft_step([requests[b] for b in rows], drafted[keep_index], carried)
+                if len(keep) < len(rows):  # some requests drafted their last token
+                    rows = [rows[i] for i in keep]
+                    keep_index = to_device(keep, torch.long, self.device)
+                    carried = carried[keep_index] if carried is not None else None
+                    drafted = drafted[keep_index]
+                logits, carried = self.draft_step([requests[b] for b in rows], drafted, carried)
             if sampling.greedy:
                 drafted = logits.argmax(-1)  # [m]
-                step_probs = None
+                probs = None
             else:
-                step_probs = processed_probs(logits, sampling)  # [m, vocab]
-                drafted = sample_from_probs(step_probs, generator)  # [m]
-            drafted, step_probs = self._to_target(drafted, step_probs)  # target ids, [m, V] probabilities
-            drafted_ids = drafted.tolist()
-            prob_rows = step_probs.unbind(0) if step_probs is not None else None
-            for i, b in enumerate(rows):
-                tokens[b].append(drafted_ids[i])
-                if prob_rows is not None:
-                    probs[b].append(prob_rows[i])
+                probs = processed_probs(logits, sampling)  # [m, vocab]
+                drafted = sample_from_probs(probs, generator)  # [m]
+            drafted, probs = self._to_target(drafted, probs)  # target ids, [m, V] probabilities
+            step_rows.append(rows)
+            step_drafts.append(drafted)
+            step_probs.append(probs)
+        if step_rows and all(len(r) == batch_size for r in step_rows):  # every request drafts the same count
+            tokens = torch.stack(step_drafts, dim=1).unbind(0)  # [k] each
+            probs_per_request = (torch.stack(step_probs, dim=1).unbind(0) if not sampling.greedy
+                                 else [None] * batch_size)  # [k, V] each
+            return [DraftProposal(t, q) for t, q in zip(tokens, probs_per_request)]
         proposals = []
         for b in range(batch_size):
-            draft_token_ids = torch.tensor(tokens[b], dtype=torch.long, device=self.device)
+            # request b's j-th draft is entry step_rows[j].index(b) of step j (the rows keep their order)
+            where = [(j, step_rows[j].index(b)) for j in range(num_drafts[b])]
+            if where:
+                draft_token_ids = torch.stack([step_drafts[j][i] for j, i in where])  # [k_b]
+            else:
+                draft_token_ids = torch.empty(0, dtype=torch.long, device=self.device)
             draft_probs = None
             if not sampling.greedy:
                 vocab = self.target_vocab_size or requests[b].draft.next_logits.shape[-1]
-                draft_probs = torch.stack(probs[b]) if probs[b] else torch.zeros(0, vocab, device=self.device)
+                draft_probs = (torch.stack([step_probs[j][i] for j, i in where]) if where
+                               else torch.zeros(0, vocab, device=self.device))
             proposals.append(DraftProposal(draft_token_ids, draft_probs))
         return proposals
 

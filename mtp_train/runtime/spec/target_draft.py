@@ -12,6 +12,7 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.generate import check_lengths
+from mtp_train.runtime.host_sync import to_device
 from mtp_train.runtime.model import CausalLM
 from mtp_train.runtime.spec.proposer import DraftState, Proposer, Request, rewind
 
@@ -19,7 +20,8 @@ from mtp_train.runtime.spec.proposer import DraftState, Proposer, Request, rewin
 @dataclass
 class TargetDraftState(DraftState):
     synced: int = 0  # the draft cache's positions < synced hold committed tokens
-    unverified: list[int] = field(default_factory=list)  # the drafts cached after them, not yet verified
+    fed_drafts: int = 0  # drafts cached after them (fed to the draft), not yet verified
+    unverified: list[int] = field(default_factory=list)  # their tokens, from the verify's verdict
 
 
 class TargetDraftProposer(Proposer):
@@ -59,9 +61,9 @@ class TargetDraftProposer(Proposer):
             rewind(state.view, valid)
             new_token_ids.extend(req.token_ids[valid:])
             counts.append(len(req.token_ids) - valid)
-            state.synced, state.unverified = len(req.token_ids), []
+            state.synced, state.fed_drafts, state.unverified = len(req.token_ids), 0, []
         batch = BatchInfo.for_sequences([r.draft.view for r in requests], counts, self.allocator, self.device)
-        input_ids = torch.tensor(new_token_ids, device=self.device)
+        input_ids = to_device(new_token_ids, torch.long, self.device)
         logits = self.draft(input_ids, batch, self.kv_cache, logits_indices=batch.last_token_indices()).logits
         self.forwards += 1
         for b, req in enumerate(requests):
@@ -72,6 +74,10 @@ class TargetDraftProposer(Proposer):
                                         self.device)
         logits = self.draft(token_ids, batch, self.kv_cache).logits  # [m, vocab]
         self.forwards += 1
-        for req, token in zip(requests, token_ids.tolist()):
-            req.draft.unverified.append(token)
+        for req in requests:  # the tokens come back with the verdict (`observe_verdict`), not read here
+            req.draft.fed_drafts += 1
         return logits, None
+
+    def observe_verdict(self, state: TargetDraftState, verdict) -> None:
+        """The drafts this request's cache holds after `synced` are the first `fed_drafts` of its proposal."""
+        state.unverified = list(verdict.drafted[: state.fed_drafts])
