@@ -15,9 +15,9 @@ Sections (each ends ok, failed or skipped with the reason; a failure does not st
   prepared and precomputed on the device, then checked as `mtp-train verify-features` checks a cache.
 - train: 20 ZeRO-2 steps (bf16 on a GPU) in two `mtp-train train` processes: 10 steps, then a resume to 20; the
   second must start at step 10.
-- eval: the trained head drafts for the target: greedy speculative output identical to plain decoding at batch 1
-  and 4, τ (tokens per target forward), and on CUDA the host synchronizations per target forward
-  (`torch.cuda.set_sync_debug_mode`).
+- eval: the trained head drafts for the target, and the target for itself (every draft accepted): greedy
+  speculative output identical to plain decoding at batch 1 and 4, τ (tokens per target forward), and the host synchronizations per target forward (CUDA:
+  `torch.cuda.set_sync_debug_mode`; CPU: the calls that would synchronize there, `runtime/host_sync.py`).
 - attention: the torch backend against a dense fp32 computation of the same paged batches (every device), and its
   timings (on CPU at smaller sizes).
 - flashinfer: the FlashInfer attention backend against the torch one (logits of decode, verify, tree and ragged
@@ -262,6 +262,16 @@ def _count_syncs(fn):
     return result, sum("synchroniz" in str(w.message) for w in caught)
 
 
+def _count_host_reads(fn):
+    """(fn's result, the calls of our code that would synchronize on CUDA): the CPU's stand-in for `_count_syncs`
+    (`runtime/host_sync.py`; it also counts the rotary table's CPU-only size read, one per forward)."""
+    from mtp_train.runtime.host_sync import count_host_syncs
+
+    with count_host_syncs() as syncs:
+        result = fn()
+    return result, syncs.count
+
+
 def check_eval(ctx: Context) -> dict:
     from mtp_train.export.load import load_draft
     from mtp_train.runtime.chat import encode_chat
@@ -288,18 +298,29 @@ def check_eval(ctx: Context) -> dict:
         def run():
             return speculative_generate(target, draft, batch, 32, num_speculative_tokens=3)
 
-        (spec, stats), syncs = _count_syncs(run) if ctx.on_cuda else (run(), None)
+        (spec, stats), syncs = _count_syncs(run) if ctx.on_cuda else _count_host_reads(run)
         identical = all(a.token_ids == b.token_ids for a, b in zip(spec, plain))
         tau = stats.new_tokens / max(stats.target_sequence_forwards, 1)  # per sequence, prefill included
         figures[f"b{batch_size}_identical"] = int(identical)
+        figures[f"b{batch_size}_new_tokens"] = stats.new_tokens
         figures[f"b{batch_size}_tau"] = round(tau, 3)
         figures[f"b{batch_size}_acceptance"] = round(stats.accepted_tokens / max(stats.drafted_tokens, 1), 3)
-        if syncs is not None:
-            figures[f"b{batch_size}_syncs_per_forward"] = round(syncs / max(stats.target_forwards, 1), 2)
-        print(f"  batch {batch_size}: identical to plain {identical}, τ {tau:.2f}"
-              + ("" if syncs is None else f", {syncs / max(stats.target_forwards, 1):.1f} host syncs per forward"))
+        figures[f"b{batch_size}_syncs_per_forward"] = round(syncs / max(stats.target_forwards, 1), 2)
+        print(f"  batch {batch_size}: identical to plain {identical}, τ {tau:.2f}, "
+              f"{syncs / max(stats.target_forwards, 1):.1f} host syncs per target forward"
+              + ("" if ctx.on_cuda else " (counted: the calls that would synchronize on CUDA)"))
         if not identical:
             problems.append(f"batch {batch_size}: greedy speculative output differs from plain decoding")
+        # The target drafting for itself (target–draft schedule) accepts every draft: the accept, commit and cache
+        # compaction paths at full length, which a barely trained tiny head never reaches.
+        self_spec, self_stats = speculative_generate(target, target, batch, 32, num_speculative_tokens=3)
+        self_identical = all(a.token_ids == b.token_ids for a, b in zip(self_spec, plain))
+        self_acceptance = self_stats.accepted_tokens / max(self_stats.drafted_tokens, 1)
+        figures[f"b{batch_size}_self_draft_identical"] = int(self_identical)
+        figures[f"b{batch_size}_self_draft_acceptance"] = round(self_acceptance, 3)
+        if not self_identical or self_acceptance < 0.99:
+            problems.append(f"batch {batch_size}: the target drafting for itself gave identical output "
+                            f"{self_identical}, acceptance {self_acceptance:.3f} (expected identical, 1.0)")
     if problems:
         raise AssertionError("; ".join(problems))
     return figures

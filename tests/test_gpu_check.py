@@ -30,6 +30,7 @@ def test_gpu_check_runs_in_its_cpu_smoke_mode(tmp_path):
     assert pairs["flashinfer"] == "skipped"
     assert pairs["train_resumed_at_step"] == "10" and pairs["train_steps"] == "20"
     assert pairs["eval_b1_identical"] == "1" and pairs["eval_b4_identical"] == "1"
+    assert float(pairs["eval_b1_syncs_per_forward"]) > 0  # the counter reached the decode loop
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     skipped = {s["name"]: s["reason"] for s in report["sections"] if s["status"] == "skipped"}
     assert skipped == {"flashinfer": "needs CUDA"}
