@@ -92,6 +92,38 @@ def test_target_as_its_own_draft_accepts_everything(models, k):
     assert math.isclose(stats.tau, max_new_tokens / (1 + steps))  # τ counts the prefill's forward and token
 
 
+def test_an_allocator_passed_again_brings_its_caches(models, monkeypatch):
+    """A caller decoding batch after batch over one allocator (the eval's `PagePool`) builds the target's and the
+    draft's K/V caches on its first call only; the outputs are those of fresh caches (a reused slot is written
+    before it is read), and the target drafting for itself gets a draft cache of its own."""
+    from mtp_train.runtime.model import CausalLM
+
+    target = models["target"]
+    head = make_head(target, "last_layer")
+    allocator = PageAllocator(64, page_size=4)
+    built = []
+    for cls in (CausalLM, DraftHead):
+        original = cls.new_kv_cache
+
+        def counting(self, pages, original=original):
+            if pages is allocator:
+                built.append(type(self).__name__)
+            return original(self, pages)
+        monkeypatch.setattr(cls, "new_kv_cache", counting)
+    for seed in range(3):
+        prompts = make_prompts(3, seed=seed)
+        plain, _ = generate(target, prompts, 20, page_size=4)
+        for draft in (head, target):
+            fresh, _ = speculative_generate(target, draft, prompts, 20, 3, page_size=4)
+            reused, _ = speculative_generate(target, draft, prompts, 20, 3, allocator=allocator)
+            assert [r.token_ids for r in reused] == [r.token_ids for r in fresh] == [r.token_ids for r in plain]
+        again, _ = generate(target, prompts, 20, allocator=allocator)
+        assert [r.token_ids for r in again] == [r.token_ids for r in plain]
+        assert allocator.num_free == allocator.num_pages
+    # the target's cache, the head's, and the target's own as its draft: once each over three rounds of calls
+    assert sorted(built) == ["CausalLM", "CausalLM", "DraftHead"]
+
+
 def test_stats_definitions():
     stats = SpecStats(MTPChainProposer.schedule, 2, target_forwards=4, target_sequence_forwards=4,
                       verify_sequence_steps=3, new_tokens=7, prefill_tokens=1, drafted_tokens=6, accepted_tokens=3,

@@ -19,9 +19,10 @@ from tqdm import tqdm
 from mtp_train.evaluate.prompts import EvalPrompt
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.chat import encode_chat
-from mtp_train.runtime.generate import generate
+from mtp_train.runtime.generate import generate, pages_for
+from mtp_train.runtime.kv_cache import PageAllocator
 from mtp_train.runtime.sampler import SamplingParams
-from mtp_train.runtime.spec import SpecStats, speculative_generate
+from mtp_train.runtime.spec import DraftTree, SpecStats, speculative_generate
 
 PLAIN = "plain"
 
@@ -135,6 +136,23 @@ def first_turn_ids(tokenizer, prompt: EvalPrompt) -> list[int]:
     return _turn_ids(tokenizer, prompt, [], 0)
 
 
+class PagePool:
+    """One page allocator for all of an eval's calls, with the K/V caches the models build over it
+    (`PageAllocator.cache_for`): allocated once, and again (1.5x what the call needs) only when a call needs more
+    pages than the pool holds, instead of a fresh allocator and cache per call."""
+
+    def __init__(self, page_size: int = 16):
+        self.page_size = page_size
+        self.allocator: PageAllocator | None = None
+
+    def for_call(self, prompts: list[list[int]], max_new_tokens: int, draft=None) -> PageAllocator:
+        slack = draft.shape.nodes + 1 if isinstance(draft, DraftTree) else 0  # a tree's nodes past the tokens
+        needed = pages_for(prompts, max_new_tokens, self.page_size, slack)
+        if self.allocator is None or self.allocator.num_pages < needed:
+            self.allocator = PageAllocator(needed * 3 // 2 + 1, self.page_size)
+        return self.allocator
+
+
 def run_methods(
     target,
     tokenizer,
@@ -164,6 +182,7 @@ def run_methods(
     def num_turns(prompt: EvalPrompt) -> int:
         return 1 if prompt.prompt_ids is not None else len(prompt.turns)
 
+    pages = PagePool()  # every timed call reuses one allocator and its caches
     groups = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     calls = sum(max(num_turns(p) for p in group) for group in groups)
     progress = tqdm(total=calls * len(methods), desc=f"eval (batch {batch_size})", unit="call",
@@ -178,7 +197,8 @@ def run_methods(
                 batch_ids = [_turn_ids(tokenizer, group[i], answers[i], turn) for i in members]
                 start = time.perf_counter()
                 if method == PLAIN:
-                    results, stats = generate(target, batch_ids, max_new_tokens, sampling, stop_token_ids, seed=seed)
+                    results, stats = generate(target, batch_ids, max_new_tokens, sampling, stop_token_ids, seed=seed,
+                                              allocator=pages.for_call(batch_ids, max_new_tokens))
                     seconds = time.perf_counter() - start
                     # Plain decoding as engine counters (k = 0): one target forward per sequence and token.
                     record = dict(engine=SpecStats(PLAIN, 0, target_sequence_forwards=stats.new_tokens,
@@ -189,7 +209,8 @@ def run_methods(
                     draft, k = (trees[method], ks[0]) if method in trees else (drafts[method.rsplit("@k=", 1)[0]],
                                                                                int(method.rsplit("@k=", 1)[1]))
                     results, stats = speculative_generate(
-                        target, draft, batch_ids, max_new_tokens, k, sampling, stop_token_ids, seed=seed
+                        target, draft, batch_ids, max_new_tokens, k, sampling, stop_token_ids, seed=seed,
+                        allocator=pages.for_call(batch_ids, max_new_tokens, draft),
                     )
                     seconds = time.perf_counter() - start
                     matched, gaps, diverged = 0, [], 0

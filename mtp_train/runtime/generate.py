@@ -111,11 +111,12 @@ def generate(
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> tuple[list[GenerationResult], GenerationStats]:
     """Generate for a batch of tokenized prompts, up to `max_new_tokens` each (an int, or one limit per prompt).
-    `on_tokens(seq_index, new_ids)` streams tokens as they come."""
+    `on_tokens(seq_index, new_ids)` streams tokens as they come. `allocator` (default: one sized for the batch):
+    passed again, it brings the K/V cache built over it the first time (`PageAllocator.cache_for`)."""
     check_lengths(model, prompts, max_new_tokens)
     device = model.device
     allocator = allocator or PageAllocator(pages_for(prompts, max_new_tokens, page_size), page_size)
-    kv_cache = model.new_kv_cache(allocator)
+    kv_cache = allocator.cache_for(model, "target")
     generator = torch.Generator(device=device).manual_seed(seed)
     sequences = [Sequence(i) for i in range(len(prompts))]
     outputs = Outputs(len(prompts), max_new_tokens, stop_token_ids, on_tokens)

@@ -8,6 +8,7 @@ Pages are *ids*; each model owns its own K/V storage indexed by those ids. Targe
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,8 @@ class PageAllocator:
         # A stack: the most recently freed page is reused first (warm in cache).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._allocated = [False] * num_pages
+        # model -> {role: its KVCache over these pages}: built once, reused by every call that brings this allocator
+        self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def num_free(self) -> int:
@@ -38,6 +41,18 @@ class PageAllocator:
     @property
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
+
+    def cache_for(self, model, role: str) -> "KVCache":
+        """`model.new_kv_cache(self)`, built on the first call and returned again to every later one with the same
+        model and role, so a caller that decodes batch after batch over one allocator (the eval) allocates its
+        caches once instead of per call. `role` ("target", "draft") keeps one model drafting for itself from
+        sharing storage with itself. Reused storage needs no clearing: a slot is written before any forward reads
+        it. Rebuilt when the model's K/V dtype changed since."""
+        dtype = getattr(model, "kv_cache_torch_dtype", None)
+        caches = self._caches.setdefault(model, {})
+        if role not in caches or caches[role][0] != dtype:
+            caches[role] = (dtype, model.new_kv_cache(self))
+        return caches[role][1]
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):

@@ -74,7 +74,8 @@ def speculative_generate(
     the stats count per depth). `num_speculative_tokens` k in 1..8; the last step of a sequence drafts fewer when
     fewer tokens remain.
     `allocator`: the page allocator shared by target and draft (default: one sized for the batch); every page is
-    back on its free list when this returns. `on_tokens(seq_index, new_ids)` streams committed tokens."""
+    back on its free list when this returns. Passed again, it brings the K/V caches built over it the first time
+    (`PageAllocator.cache_for`): a caller decoding batch after batch allocates them once. `on_tokens(seq_index, new_ids)` streams committed tokens."""
     if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise UserError(
             f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {num_speculative_tokens!r}"
@@ -90,7 +91,7 @@ def speculative_generate(
     allocator = allocator or PageAllocator(pages_for(prompts, max_new_tokens, page_size, slack), page_size)
     proposer = make_proposer(target, draft, allocator)
     proposer.check_lengths(prompts, max_new_tokens)
-    target_cache = target.new_kv_cache(allocator)
+    target_cache = allocator.cache_for(target, "target")
     generator = torch.Generator(device=device).manual_seed(seed)
     k = proposer.shape.depth if isinstance(proposer, TreeProposer) else num_speculative_tokens
     stats = SpecStats(schedule=proposer.schedule, num_speculative_tokens=k)

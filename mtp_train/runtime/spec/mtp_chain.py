@@ -64,7 +64,7 @@ class MTPChainProposer(Proposer):
             head_value, target_value = getattr(head_config, key, None), getattr(target.config, key)
             if head_value is not None and head_value != target_value:
                 raise UserError(f"the draft head's {key}={head_value} differs from the target's {key}={target_value}")
-        super().__init__(target, allocator, head.new_kv_cache(allocator))
+        super().__init__(target, allocator, allocator.cache_for(head, "draft"))
         self.head = head if isinstance(head, HeadRunner) else HeadRunner(head)
         self.aux_layers = tuple(getattr(head, "aux_layers", ()))  # an EAGLE-3 head reads these target layers
         draft_ids = getattr(head, "draft_ids", None)

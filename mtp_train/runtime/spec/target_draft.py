@@ -41,7 +41,7 @@ class TargetDraftProposer(Proposer):
                 f"the draft model's vocab_size={draft.config.vocab_size} differs from the target's "
                 f"vocab_size={target.config.vocab_size}; a draft model must share the target's tokenizer and vocabulary"
             )
-        super().__init__(target, allocator, draft.new_kv_cache(allocator))
+        super().__init__(target, allocator, allocator.cache_for(draft, "draft"))
         self.draft = draft
 
     def check_lengths(self, prompts: list[list[int]], max_new_tokens: int) -> None:
