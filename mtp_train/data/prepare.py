@@ -200,8 +200,8 @@ class RegenerationRanks:
         if device.type == "cuda":
             device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
         self.device = device
-        self.dist = init_distributed(device)
-        self.group = init_tensor_parallel(self.layout)
+        self.dist = init_distributed(device, recipe.distributed.timeout_minutes)
+        self.group = init_tensor_parallel(self.layout, device, recipe.distributed.timeout_minutes)
         self.generating = False  # rank 0: the others are inside a batch (a stop order would not meet them)
 
     def _broadcast(self, order: Any = None) -> Any:
