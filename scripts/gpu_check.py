@@ -221,11 +221,16 @@ def check_precompute(ctx: Context) -> dict:
 
 def _train_process(ctx: Context, max_steps: int) -> dict:
     """`mtp-train train` in its own process (its own process group, as torchrun would start it); its summary."""
+    from tests.pipeline_fixtures import free_port
+
     command = [sys.executable, "-m", "mtp_train", "train", "--recipe", str(REPO / "recipes" / "smollm2-135m-mtp.yaml")]
     for override in [*ctx.tiny_overrides, f"train.max_steps={max_steps}"]:
         command += ["--set", override]
+    # A port of its own: one inherited from this process (a process group it or its parent started) is taken.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "WANDB_MODE": "disabled"}
+           "WANDB_MODE": "disabled", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # a single process, whatever launched this one
+        env.pop(name, None)
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
     if done.returncode != 0:
         raise AssertionError(f"`mtp-train train` (max_steps {max_steps}) exited {done.returncode}:\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +18,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_gpu_check_runs_in_its_cpu_smoke_mode(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    # A rendezvous port taken, as the suite's own in-process trainer leaves MASTER_PORT set and its store listening:
+    # the script's training processes must pick their own.
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+           "MASTER_PORT": str(taken.getsockname()[1])}
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--cpu", "--out", str(tmp_path),
                            "--work", str(tmp_path / "work")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    taken.close()
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")][-1]
