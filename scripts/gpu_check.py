@@ -490,7 +490,7 @@ def check_flashinfer(ctx: Context) -> dict:
     from mtp_train.runtime.loader import load_model
     from tests.tiny_models import save_tiny_model
 
-    flashinfer, reference = get_backend("flashinfer", ctx.device), get_backend("torch", ctx.device)
+    flashinfer, reference = get_backend("flashinfer", ctx.device, torch.bfloat16), get_backend("torch", ctx.device)
     errors = _attention_errors(flashinfer, ctx.device, torch.bfloat16, reference)
     print("  flashinfer vs torch (bf16): " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     problems = [f"{name}: {err:.2e}" for name, err in errors.items() if err > 2e-2]
