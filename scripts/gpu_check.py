@@ -16,8 +16,9 @@ Sections (each ends ok, failed or skipped with the reason; a failure does not st
 - train: 20 ZeRO-2 steps (bf16 on a GPU) in two `mtp-train train` processes: 10 steps, then a resume to 20; the
   second must start at step 10.
 - eval: the trained head drafts for the target, and the target for itself (every draft accepted): greedy
-  speculative output identical to plain decoding at batch 1 and 4, τ (tokens per target forward), and the host synchronizations per target forward (CUDA:
-  `torch.cuda.set_sync_debug_mode`; CPU: the calls that would synchronize there, `runtime/host_sync.py`).
+  speculative output identical to plain decoding at batch 1 and 4, τ (tokens per target forward), and the host
+  synchronizations per target forward (CUDA: `torch.cuda.set_sync_debug_mode`; CPU: the calls that would
+  synchronize there, `runtime/host_sync.py`).
 - attention: the torch backend against a dense fp32 computation of the same paged batches (every device), and its
   timings (on CPU at smaller sizes).
 - flashinfer: the FlashInfer attention backend against the torch one (logits of decode, verify, tree and ragged
