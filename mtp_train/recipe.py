@@ -55,8 +55,8 @@ class TargetSection(_Section):
     tensor_parallel: int = Field(
         1, ge=1, le=64,
         description="ranks one copy of the target is split over (attention heads and MLP columns; runtime/"
-        "tensor_parallel.py) in precompute, eval and prepare's regeneration; under torchrun the world size must be a multiple of it: W/N "
-        "data-parallel groups of N ranks each (`--tp N` sets it)",
+        "tensor_parallel.py) in precompute, eval and prepare's regeneration; under torchrun the world size must be "
+        "a multiple of it: W/N data-parallel groups of N ranks each (`--tp N` sets it)",
     )
     attention: Literal["auto", "torch", "flashinfer"] = Field(
         "auto",

@@ -75,7 +75,8 @@ def speculative_generate(
     fewer tokens remain.
     `allocator`: the page allocator shared by target and draft (default: one sized for the batch); every page is
     back on its free list when this returns. Passed again, it brings the K/V caches built over it the first time
-    (`PageAllocator.cache_for`): a caller decoding batch after batch allocates them once. `on_tokens(seq_index, new_ids)` streams committed tokens."""
+    (`PageAllocator.cache_for`): a caller decoding batch after batch allocates them once.
+    `on_tokens(seq_index, new_ids)` streams committed tokens."""
     if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise UserError(
             f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {num_speculative_tokens!r}"
