@@ -19,10 +19,11 @@ from tqdm import tqdm
 from mtp_train.evaluate.prompts import EvalPrompt
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.chat import encode_chat
-from mtp_train.runtime.generate import generate, pages_for
+from mtp_train.runtime.generate import generate
 from mtp_train.runtime.kv_cache import PageAllocator
 from mtp_train.runtime.sampler import SamplingParams
-from mtp_train.runtime.spec import DraftTree, SpecStats, speculative_generate
+from mtp_train.runtime.spec import SpecStats, speculative_generate
+from mtp_train.runtime.spec.engine import speculative_pages_for
 
 PLAIN = "plain"
 
@@ -146,8 +147,7 @@ class PagePool:
         self.allocator: PageAllocator | None = None
 
     def for_call(self, prompts: list[list[int]], max_new_tokens: int, draft=None) -> PageAllocator:
-        slack = draft.shape.nodes + 1 if isinstance(draft, DraftTree) else 0  # a tree's nodes past the tokens
-        needed = pages_for(prompts, max_new_tokens, self.page_size, slack)
+        needed = speculative_pages_for(prompts, max_new_tokens, self.page_size, draft)
         if self.allocator is None or self.allocator.num_pages < needed:
             self.allocator = PageAllocator(needed * 3 // 2 + 1, self.page_size)
         return self.allocator

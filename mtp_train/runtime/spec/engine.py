@@ -52,6 +52,13 @@ def chain_input_ids(roots: list[int], proposals: list[DraftProposal], device: to
     return torch.cat([piece for b, p in enumerate(proposals) for piece in (root_ids[b : b + 1], p.draft_token_ids)])
 
 
+def speculative_pages_for(prompts: list[list[int]], max_new_tokens: int, page_size: int, draft) -> int:
+    """Pages a speculative call needs: plain generation's, and for a tree its N + 1 nodes written after the
+    committed tokens (their slots run past the positions it drafts)."""
+    slack = draft.shape.nodes + 1 if isinstance(draft, DraftTree) else 0
+    return pages_for(prompts, max_new_tokens, page_size, slack)
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: CausalLM,
@@ -86,10 +93,8 @@ def speculative_generate(
     check_lengths(target, prompts, max_new_tokens)
     device = target.device
     # Every position either model caches is < prompt_len + max_new_tokens (the last step drafts fewer), so the plain
-    # generation budget is enough for both.
-    # A tree writes its N + 1 nodes after the committed tokens (its slots run past the positions it drafts).
-    slack = draft.shape.nodes + 1 if isinstance(draft, DraftTree) else 0
-    allocator = allocator or PageAllocator(pages_for(prompts, max_new_tokens, page_size, slack), page_size)
+    # generation budget is enough for both (a tree's nodes aside: speculative_pages_for).
+    allocator = allocator or PageAllocator(speculative_pages_for(prompts, max_new_tokens, page_size, draft), page_size)
     proposer = make_proposer(target, draft, allocator)
     proposer.check_lengths(prompts, max_new_tokens)
     target_cache = allocator.cache_for(target, "target")
