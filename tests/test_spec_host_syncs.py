@@ -19,6 +19,7 @@ from mtp_train.heads import DraftHead, HeadConfig
 from mtp_train.runtime.host_sync import count_host_syncs, to_device
 from mtp_train.runtime.sampler import SamplingParams
 from mtp_train.runtime.spec import PromptLookup, speculative_generate
+from mtp_train.runtime.spec.tree import DraftTree, TreeShape
 from tests.spec_helpers import make_prompts
 
 # `RotaryEmbedding.forward` sizes its table with `int(positions.max())` on the CPU only (on another device it computes
@@ -66,6 +67,22 @@ def test_a_chain_step_reads_the_device_once(models, draft_name, sampling):
         assert sum(step.values()) == 1, step
         (site,) = step
         assert site.startswith(VERDICT) and site.endswith("tolist"), site
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["tree", "tree+lookup"])
+def test_a_tree_step_reads_the_device_once_per_depth_and_once_for_the_verdicts(models, sampling, hybrid):
+    """Tree drafting decides the tree's shape on the host (which nodes to expand and keep), so it reads each depth's
+    children back, once for the whole batch; the verify's verdicts are the one other read."""
+    target = models["target"]
+    shape = TreeShape.parse("3x2x5")
+    draft = DraftTree(head_for(target), shape, PromptLookup() if hybrid else None)
+    steps = syncs_per_step(target, draft, sampling)
+    for step in steps:
+        verdicts = sum(n for site, n in step.items() if site.startswith(VERDICT))
+        drafting = sum(n for site, n in step.items() if "TreeProposer._children" in site)
+        assert verdicts == 1 and drafting <= shape.depth and verdicts + drafting == sum(step.values()), step
+    assert max(sum(step.values()) for step in steps) == shape.depth + 1
 
 
 def test_prompt_lookup_reads_only_what_its_lookup_needs(models):

@@ -17,7 +17,7 @@ from mtp_train.heads import DraftHead, HeadConfig
 from mtp_train.runtime.attention import BatchInfo, ancestor_mask
 from mtp_train.runtime.generate import generate
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
-from mtp_train.runtime.rejection import greedy_accept_tree, tree_rejection_sample
+from mtp_train.runtime.rejection import greedy_accept_trees, rejection_sample_trees
 from mtp_train.runtime.sampler import SamplingParams
 from mtp_train.runtime.spec import DraftTree, PromptLookup, SpecStats, TreeShape, speculative_generate
 from mtp_train.runtime.spec.proposer import compact_accepted_path
@@ -232,26 +232,35 @@ def test_tree_verify_rows_equal_the_chain_rows_of_each_path(models):
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_accept_tree_walks_the_argmax_path():
+def test_greedy_accept_trees_walks_each_trees_argmax_path_in_one_batch():
+    """Three copies of one tree in one batch, each against other target choices: a path to a leaf (its argmax is the
+    bonus), a path stopped inside, none accepted; and an empty tree (a plain step)."""
     tokens = [0, 5, 6, 7, 8, 9]  # root, then 1: 5, 2: 6 (root's children), 3: 7, 4: 8 (children of 2), 5: 9 (of 4)
-    children = [[1, 2], [], [3, 4], [], [5], []]
-    result = greedy_accept_tree(tokens, children, target_argmax=[6, 1, 8, 1, 9, 4])
-    assert (result.path, result.token_ids) == ([2, 4, 5], [6, 8, 9, 4])  # a leaf: its argmax is the bonus
-    result = greedy_accept_tree(tokens, children, target_argmax=[6, 1, 3, 1, 9, 4])
-    assert (result.path, result.token_ids) == ([2], [6, 3])
-    assert greedy_accept_tree(tokens, children, [1, 0, 0, 0, 0, 0]).token_ids == [1]
+    parents = [0, 0, 2, 2, 4]
+    argmaxes = [[6, 1, 8, 1, 9, 4], [6, 1, 3, 1, 9, 4], [1, 0, 0, 0, 0, 0], [7]]
+    input_ids = torch.tensor(tokens * 3 + [3])
+    results = greedy_accept_trees(input_ids, torch.tensor(sum(argmaxes, [])), [parents] * 3 + [[]])
+    assert [(r.path, r.token_ids) for r in results] == [([2, 4, 5], [6, 8, 9, 4]), ([2], [6, 3]), ([], [1]),
+                                                        ([], [7])]
 
 
-@pytest.mark.slow  # 10,000 draws: ~5 s
+def test_greedy_accept_trees_takes_the_first_matching_child():
+    """Two children with the argmax token (a hybrid tree's lookup branch beside the head's): the first in node order
+    is followed."""
+    results = greedy_accept_trees(torch.tensor([0, 4, 4, 5]), torch.tensor([4, 6, 5, 1]), [[0, 0, 2]])
+    assert (results[0].path, results[0].token_ids) == ([1], [4, 6])
+
+
 def test_sibling_rejection_sampling_is_lossless_with_draws_without_replacement():
     """One level: 3 candidates drawn without replacement from q, tested in order against p; the emitted first token
-    is distributed as p (χ²), including tokens q never proposes and p-mass on rejected candidates."""
-    vocab = 6
+    is distributed as p (χ²), including tokens q never proposes and p-mass on rejected candidates. The 10,000 trees
+    are verified in one batch, as the speculative step does."""
+    vocab, num_trees = 6, 10_000
     p = torch.tensor([0.05, 0.3, 0.1, 0.25, 0.0, 0.3])
     q = torch.tensor([0.4, 0.1, 0.3, 0.05, 0.15, 0.0])
     gen = torch.Generator().manual_seed(3)
-    counts = torch.zeros(vocab)
-    for _ in range(10_000):
+    input_ids, draft_probs = [], []
+    for _ in range(num_trees):
         drawn, rows, remaining = [], [], q.clone()
         for _ in range(3):
             row = remaining / remaining.sum()
@@ -259,11 +268,29 @@ def test_sibling_rejection_sampling_is_lossless_with_draws_without_replacement()
             drawn.append(token)
             rows.append(row)
             remaining[token] = 0
-        tokens = [99, *drawn]
-        result = tree_rejection_sample(tokens, [[1, 2, 3], [], [], []], {0: torch.stack(rows)},
-                                       torch.stack([p] * 4), gen)
-        counts[result.token_ids[0]] += 1
+        input_ids += [99 % vocab, *drawn]
+        draft_probs.append(torch.stack(rows))
+    results = rejection_sample_trees(torch.tensor(input_ids), draft_probs, p.expand(4 * num_trees, vocab),
+                                     [[0, 0, 0]] * num_trees, gen)
+    counts = torch.bincount(torch.tensor([r.token_ids[0] for r in results]), minlength=vocab).float()
     assert chi2_p_value(counts, p) > P_VALUE_THRESHOLD
+
+
+def test_rejection_sample_trees_follows_certain_acceptances_down_the_tree():
+    """Drafts the target is sure of are accepted down to the leaf, whose row gives the bonus; a child q proposes but
+    p rules out is never accepted, its sibling then is; shapes are checked."""
+    vocab = 4
+    one_hot = torch.eye(vocab)
+    # root -> 1 (token 1, p = 0) and 2 (token 2, certain); 2 -> 3 (token 3, certain); leaf 3's row: token 0
+    input_ids = torch.tensor([0, 1, 2, 3])
+    target_probs = torch.stack([torch.tensor([0.0, 0.0, 1.0, 0.0]), one_hot[0], one_hot[3], one_hot[0]])
+    draft_probs = [torch.stack([one_hot[1], torch.tensor([0.0, 0.0, 1.0, 0.0]), one_hot[3]])]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        (result,) = rejection_sample_trees(input_ids, draft_probs, target_probs, [[0, 0, 2]], gen)
+        assert (result.path, result.token_ids) == ([2, 3], [2, 3, 0])
+    with pytest.raises(ValueError, match=r"tree 0: expected draft_probs of shape \[3, 4\]"):
+        rejection_sample_trees(input_ids, [draft_probs[0][:2]], target_probs, [[0, 0, 2]], gen)
 
 
 # ---- lossless tree sampling end to end -------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp_train.errors import UserError
-from mtp_train.runtime.host_sync import to_device
+from mtp_train.runtime.host_sync import host_tensor_to_device, to_device
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 
 
@@ -160,7 +160,10 @@ class BatchInfo:
                                  f"after {seq.num_cached} cached")
         batch = BatchInfo.for_sequences(sequences, counts, allocator, device)
         batch.positions = to_device([p for ps in positions for p in ps], torch.long, device)
-        batch.tree_masks = [mask.to(device=device, dtype=torch.bool) for mask in tree_masks]
+        # every sequence's mask in one copy that does not wait for the device
+        flat = host_tensor_to_device(torch.cat([mask.reshape(-1).to(torch.bool) for mask in tree_masks]), device)
+        batch.tree_masks = [block.view(mask.shape) for block, mask in
+                            zip(flat.split([mask.numel() for mask in tree_masks]), tree_masks)]
         return batch
 
 
@@ -207,7 +210,7 @@ def _tree_allowed_mask(
     inside any window)."""
     width = int(tree_mask.shape[1])
     prefix = _allowed_mask(q_positions, kv_len - width, sliding_window)
-    return torch.cat([prefix, tree_mask.to(prefix.device)], dim=1)
+    return torch.cat([prefix, tree_mask], dim=1)  # tree_mask is on the batch's device (`BatchInfo.for_tree`)
 
 
 _SMALL_QUERY = 8  # decode and verify batches: at most this many new tokens per sequence

@@ -46,6 +46,16 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> t
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def host_tensor_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device (on CUDA through pinned memory, as `to_device`)."""
+    device = torch.device(device)
+    if device.type == "cpu" and tensor.device.type == "cpu":
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 class HostSyncs:
     """What `count_host_syncs` saw: `count` calls, `sites` by "file:line function kind" (file relative to the
     counted folder)."""

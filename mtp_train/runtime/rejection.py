@@ -1,5 +1,5 @@
-"""The speculative-decoding rejection sampler (Leviathan et al. 2023; Chen et al. 2023), per sequence and for a batch
-of chains at once.
+"""The speculative-decoding rejection sampler (Leviathan et al. 2023; Chen et al. 2023) for a batch of chains, and its
+multi-candidate form for a batch of draft trees; each reads the batch's verdicts back in one device→host transfer.
 
 Given k draft tokens `d_1..d_k`, the draft distributions `q_j` they were sampled from and the target distributions
 `p_0..p_k` at the same positions (`p_j` predicts the token after `d_j`, `p_0` the one after the last committed
@@ -19,6 +19,7 @@ bonus distribution.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -32,68 +33,12 @@ _RESIDUAL_EPS = 1e-8
 class RejectionResult:
     accepted_len: int  # how many leading draft tokens were accepted (0..k)
     token_ids: list[int]  # accepted drafts + one corrected (on rejection) or bonus (all accepted) token: length a+1
-    drafted: tuple[int, ...] = ()  # every draft token, read back with the verdict (batched verdicts only)
+    drafted: tuple[int, ...] = ()  # every draft token, read back with the verdict
 
     @property
     def path(self) -> list[int]:
         """The accepted drafts as verify nodes (1..a), as a tree's verdict names them."""
         return list(range(1, self.accepted_len + 1))
-
-
-def greedy_accept(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor) -> RejectionResult:
-    """Greedy verification. `draft_token_ids`: [k]; `target_argmax`: [k+1], the target's argmax at each position.
-    Accepts the longest prefix where the draft equals the target's choice, then emits the target's next choice."""
-    k = int(draft_token_ids.shape[0])
-    if target_argmax.shape[0] != k + 1:
-        raise ValueError(f"expected {k + 1} target positions for {k} drafts, got {target_argmax.shape[0]}")
-    drafts = draft_token_ids.tolist()
-    choices = target_argmax.tolist()
-    accepted_len = 0
-    while accepted_len < k and drafts[accepted_len] == choices[accepted_len]:
-        accepted_len += 1
-    return RejectionResult(accepted_len, drafts[:accepted_len] + [choices[accepted_len]])
-
-
-def rejection_sample(
-    draft_token_ids: torch.Tensor,  # [k] int64, sampled from draft_probs
-    draft_probs: torch.Tensor | None,  # [k, vocab] fp32 (None only when greedy)
-    target_probs: torch.Tensor,  # [k + 1, vocab] fp32
-    generator: torch.Generator | None = None,
-    greedy: bool = False,
-) -> RejectionResult:
-    """Verify one sequence's drafts against the target; see the module docstring. With `greedy=True` no random numbers
-    are drawn and `draft_probs` is ignored (the target's argmax decides). A draft whose draft probability is 0 (it
-    cannot have been sampled from `q`, e.g. float underflow) is accepted iff the target gives it positive
-    probability; a token the target gives probability 0 is never emitted."""
-    k = int(draft_token_ids.shape[0])
-    if target_probs.shape[0] != k + 1:
-        shape = tuple(target_probs.shape)
-        raise ValueError(f"expected target_probs of shape [{k + 1}, vocab] for {k} drafts, got {shape}")
-    if greedy:
-        return greedy_accept(draft_token_ids, target_probs.argmax(-1))
-    if draft_probs is None or draft_probs.shape != (k, target_probs.shape[1]):
-        shape = None if draft_probs is None else tuple(draft_probs.shape)
-        raise ValueError(f"expected draft_probs of shape [{k}, {target_probs.shape[1]}], got {shape}")
-
-    target_probs = target_probs.float()
-    draft_probs = draft_probs.float()
-    positions = torch.arange(k, device=target_probs.device)
-    target_p = target_probs[positions, draft_token_ids]  # [k]: p_j(d_j)
-    draft_q = draft_probs[positions, draft_token_ids]  # [k]: q_j(d_j)
-    uniforms = torch.rand(k, generator=generator, device=target_probs.device)  # [k]
-    # u < p/q without dividing: q = 0 accepts iff p > 0; p = 0 never accepts (strict inequality).
-    accepted = (uniforms * draft_q < target_p).tolist()
-    accepted_len = accepted.index(False) if False in accepted else k
-
-    drafts = draft_token_ids.tolist()[:accepted_len]
-    if accepted_len == k:
-        next_probs = target_probs[k]  # bonus token
-    else:
-        residual = (target_probs[accepted_len] - draft_probs[accepted_len]).clamp_(min=0)  # [vocab]
-        mass = residual.sum()
-        next_probs = residual / mass if mass > _RESIDUAL_EPS else target_probs[accepted_len]
-    next_token = int(torch.multinomial(next_probs, 1, generator=generator))
-    return RejectionResult(accepted_len, drafts + [next_token])
 
 
 # ---- a batch of chains at once (the speculative step) --------------------------------------------------------------
@@ -119,7 +64,7 @@ def _chain_layout(verify_lens: list[int]) -> tuple[list[int], int, list[list[int
 
 def greedy_accept_chains(input_ids: torch.Tensor, target_argmax: torch.Tensor, verify_lens: list[int]
                          ) -> list[RejectionResult]:
-    """`greedy_accept` for every sequence of a verify batch, with one device→host transfer. `input_ids` [T]: each
+    """Greedy verification of every chain of a verify batch, with one device→host transfer. `input_ids` [T]: each
     sequence's root then drafts; `target_argmax` [T]: the target's argmax at each of those rows. A draft is accepted
     while it equals the argmax of the row before it; the emitted tokens are then the argmax of the root and of each
     accepted draft's row (an accepted draft IS the argmax before it)."""
@@ -150,10 +95,10 @@ def rejection_sample_chains(
     verify_lens: list[int],  # k_b + 1 per sequence
     generator: torch.Generator | None = None,
 ) -> list[RejectionResult]:
-    """`rejection_sample` for every sequence of a verify batch, with one device→host transfer: one uniform per draft
-    and the accept tests of all sequences in one batch, then the corrected (or bonus) token of every sequence from
-    one batched draw. The same rule per sequence as `rejection_sample`, so the emitted tokens are distributed as the
-    target's own samples (the random stream is consumed in another order, so a seed gives other samples)."""
+    """The rule of the module docstring for every chain of a verify batch, with one device→host transfer: one uniform
+    per draft and the accept tests of all sequences at once, then the corrected (or bonus) token of every sequence
+    from one batched draw. A draft whose draft probability is 0 (float underflow) is accepted iff the target gives
+    it positive probability; a token the target gives probability 0 is never emitted."""
     starts, most, rows, drafted = _chain_layout(verify_lens)
     device, vocab = target_probs.device, target_probs.shape[-1]
     batch_size = len(verify_lens)
@@ -203,52 +148,140 @@ class TreeRejectionResult:
     token_ids: list[int]  # their tokens + one corrected (on rejection) or bonus (after a leaf) token
 
 
-def greedy_accept_tree(node_tokens: list[int], children: list[list[int]], target_argmax: list[int]
-                       ) -> TreeRejectionResult:
-    """Greedy tree verification: from the root, follow the child whose token is the target's argmax while there is
-    one; then emit the target's argmax at the last accepted node (the longest path of argmax tokens + the bonus)."""
-    node, path = 0, []
-    while True:
-        choice = target_argmax[node]
-        nxt = next((c for c in children[node] if node_tokens[c] == choice), None)
-        if nxt is None:
-            return TreeRejectionResult(path, [node_tokens[c] for c in path] + [choice])
-        path.append(nxt)
-        node = nxt
+@dataclass(frozen=True)
+class _TreeLayout:
+    """Host-built layout of a batch of trees in the verify's flat rows (tree b's node u is row starts[b] + u): one
+    (parent row, child row) pair per draft node, in row order, and the pairs grouped by the child's rank among its
+    siblings (rank i: every node's (i + 1)-th child, at most one per parent)."""
+
+    starts: list[int]
+    parent_rows: list[int]  # [P]
+    child_rows: list[int]  # [P]
+    pairs_by_rank: list[list[int]]  # per sibling rank, indices into the pairs
+    depth: int  # the deepest node of the batch
+    num_rows: int  # T
+
+    @classmethod
+    def of(cls, parents: list[list[int]]) -> "_TreeLayout":
+        starts, parent_rows, child_rows, pairs_by_rank, depth, start = [], [], [], [], 0, 0
+        for tree_parents in parents:
+            starts.append(start)
+            node_depth, num_children = [0], [0] * (len(tree_parents) + 1)
+            for node, parent in enumerate(tree_parents, start=1):
+                if not 0 <= parent < node:
+                    raise ValueError(f"node {node}: its parent {parent} must be an earlier node")
+                node_depth.append(node_depth[parent] + 1)
+                rank = num_children[parent]
+                num_children[parent] += 1
+                if rank == len(pairs_by_rank):
+                    pairs_by_rank.append([])
+                pairs_by_rank[rank].append(len(parent_rows))
+                parent_rows.append(start + parent)
+                child_rows.append(start + node)
+            depth = max(depth, *node_depth)
+            start += len(tree_parents) + 1
+        return cls(starts, parent_rows, child_rows, pairs_by_rank, depth, start)
+
+    def verdicts(self, accepted_child: torch.Tensor, input_ids: torch.Tensor, last_token: Callable
+                 ) -> list[TreeRejectionResult]:
+        """Walk every tree from its root along `accepted_child` [T] (the accepted child row of each row, T for none),
+        on the device; `last_token(last_rows [B]) -> [B]` gives the token emitted at
+        each tree's last accepted node. Reads the paths, their tokens and the last tokens back in ONE transfer."""
+        batch_size, none = len(self.starts), self.num_rows
+        node = to_device(self.starts, torch.long, accepted_child.device)  # [B]
+        path_rows = []
+        for _ in range(self.depth):  # a path is at most `depth` nodes long
+            node = torch.where(accepted_child[node] != none, accepted_child[node], node)
+            path_rows.append(node)
+        last = node
+        path = torch.stack(path_rows, 1) if path_rows else node.new_zeros(batch_size, 0)  # [B, depth]
+        host = torch.cat([path.flatten(), input_ids.long()[path].flatten(), last_token(last).long()]).tolist()
+        size = path.numel()
+        rows, tokens, ends = host[:size], host[size : 2 * size], host[2 * size :]
+        results = []
+        for b, start in enumerate(self.starts):
+            walked = slice(b * self.depth, (b + 1) * self.depth)
+            # the walk stays on the last node once it stops: keep the rows up to the first repeat
+            nodes, node_tokens, previous = [], [], start
+            for row, token in zip(rows[walked], tokens[walked]):
+                if row == previous:
+                    break
+                nodes.append(row - start)
+                node_tokens.append(token)
+                previous = row
+            results.append(TreeRejectionResult(nodes, node_tokens + [ends[b]]))
+        return results
 
 
-def tree_rejection_sample(
-    node_tokens: list[int],
-    children: list[list[int]],
-    candidate_probs: dict[int, torch.Tensor],  # node u -> [len(children[u]), vocab]: what each child was drawn from
-    target_probs: torch.Tensor,  # [n + 1, vocab] fp32
+def greedy_accept_trees(input_ids: torch.Tensor, target_argmax: torch.Tensor, parents: list[list[int]]
+                        ) -> list[TreeRejectionResult]:
+    """Greedy verification of a batch of trees, with one device→host transfer. `input_ids` [T]: each tree's root then
+    its nodes; `target_argmax` [T]: the target's argmax at each row; `parents[b][i]`: the parent of tree b's node
+    i + 1. From the root, follow the child whose token is the target's argmax while there is one (the first such
+    child in node order), then emit the argmax at the last accepted node: the longest path of argmax tokens + the
+    bonus."""
+    layout = _TreeLayout.of(parents)
+    device, none = target_argmax.device, layout.num_rows
+    accepted_child = torch.full((none,), none, dtype=torch.long, device=device)  # [T]
+    if layout.parent_rows:
+        parent_rows = to_device(layout.parent_rows, torch.long, device)  # [P]
+        child_rows = to_device(layout.child_rows, torch.long, device)  # [P]
+        matches = target_argmax[parent_rows] == input_ids[child_rows]  # [P]
+        # the first matching child of each parent (children are numbered in test order)
+        accepted_child.scatter_reduce_(0, parent_rows, torch.where(matches, child_rows, none), "amin")
+    return layout.verdicts(accepted_child, input_ids, lambda last: target_argmax[last])
+
+
+def rejection_sample_trees(
+    input_ids: torch.Tensor,  # [T] int64: each tree's root, then its nodes
+    draft_probs: list[torch.Tensor],  # per tree [n_b, vocab]: the distribution each node was drawn from
+    target_probs: torch.Tensor,  # [T, vocab]: the target's distribution at each row
+    parents: list[list[int]],  # per tree, the parent of node i + 1 (an earlier node; 0 = the root)
     generator: torch.Generator | None = None,
-) -> TreeRejectionResult:
+) -> list[TreeRejectionResult]:
     """Multi-candidate recursive rejection sampling over the siblings (SpecInfer; Jeon et al. 2024, recursive
-    speculative decoding). At node u with target distribution p, its children x_1..x_m are tested in order: x_i,
-    drawn from q_i (`candidate_probs[u][i]`, the draft distribution given the earlier siblings: q with x_1..x_{i-1}
-    removed and renormalized for sampling without replacement, one-hot for a deterministic candidate), is accepted
-    with probability min(1, p(x_i) / q_i(x_i)); on rejection p becomes norm(max(0, p - q_i)) and the next sibling is
-    tried. An accepted child becomes u (its own target row is the new p); when every child is rejected one token is
-    sampled from the last p, after a leaf the bonus from p. Each step is the chain's lossless rule with draft q_i, so
-    the emitted tokens are distributed as the target's own samples, provided each candidate was drawn from its q_i
-    and the number of children of a node does not depend on the values drawn for those children."""
-    node, path = 0, []
-    while True:
-        p = target_probs[node].float()
-        accepted = None
-        for i, child in enumerate(children[node]):
-            q = candidate_probs[node][i].float()
-            token = node_tokens[child]
-            u = float(torch.rand((), generator=generator, device=p.device))
-            if u * float(q[token]) < float(p[token]):  # u < p/q without dividing (q = 0: accept iff p > 0)
-                accepted = child
-                break
-            residual = (p - q).clamp_(min=0)
-            mass = residual.sum()
-            p = residual / mass if mass > _RESIDUAL_EPS else p
-        if accepted is None:
-            next_token = int(torch.multinomial(p, 1, generator=generator))
-            return TreeRejectionResult(path, [node_tokens[c] for c in path] + [next_token])
-        path.append(accepted)
-        node = accepted
+    speculative decoding) for a batch of trees, with one device→host transfer. At node u with target distribution p,
+    its children x_1..x_m are tested in order: x_i, drawn from q_i (`draft_probs`: the draft distribution given the
+    earlier siblings, i.e. q with x_1..x_{i-1} removed and renormalized for sampling without replacement; one-hot for
+    a deterministic candidate), is accepted with probability min(1, p(x_i) / q_i(x_i)); on rejection p becomes
+    norm(max(0, p - q_i)) and the next sibling is tried. An accepted child becomes u (its own target row is the new
+    p); when every child is rejected one token is sampled from the last p, after a leaf the bonus from p. Each test
+    is the chain's lossless rule with draft q_i, so the emitted tokens are distributed as the target's own samples,
+    provided each candidate was drawn from its q_i and the number of children of a node does not depend on the
+    values drawn for them.
+
+    Batched: the sibling tests of every node of every tree run on the device, one sibling rank at a time (each node
+    with its own uniforms, whether or not the walk reaches it: a node's outcome depends only on its own draws, so
+    deciding all of them ahead of the walk leaves the distribution of the walked path unchanged); the walk from the
+    roots follows the accepted children on the device; the next token is drawn for all trees in one call."""
+    layout = _TreeLayout.of(parents)
+    device, vocab, none = target_probs.device, target_probs.shape[-1], layout.num_rows
+    for b, (tree_parents, q) in enumerate(zip(parents, draft_probs)):
+        if q.shape != (len(tree_parents), vocab):
+            raise ValueError(f"tree {b}: expected draft_probs of shape [{len(tree_parents)}, {vocab}], "
+                             f"got {tuple(q.shape)}")
+    p = target_probs.float().clone()  # [T, vocab]: each row's p, replaced by the residual as its children fail
+    accepted_child = torch.full((none,), none, dtype=torch.long, device=device)  # [T]
+    if layout.parent_rows:
+        q = torch.cat(draft_probs).float()  # [P, vocab], pair order = row order
+        parent_rows = to_device(layout.parent_rows, torch.long, device)  # [P]
+        child_rows = to_device(layout.child_rows, torch.long, device)  # [P]
+        for pairs in layout.pairs_by_rank:
+            pair = to_device(pairs, torch.long, device)  # [m]: the rank's pairs, one per parent
+            rows, children = parent_rows[pair], child_rows[pair]
+            tokens = input_ids[children].long()[:, None]  # [m, 1]
+            p_rows, q_rows = p[rows], q[pair]  # [m, vocab]
+            undecided = accepted_child[rows] == none  # [m]: no earlier sibling accepted
+            uniforms = torch.rand(len(pairs), generator=generator, device=device)
+            # u < p/q without dividing: q = 0 accepts iff p > 0; p = 0 never accepts (strict inequality).
+            accepted = undecided & (uniforms * q_rows.gather(1, tokens)[:, 0] < p_rows.gather(1, tokens)[:, 0])
+            accepted_child[rows] = torch.where(accepted, children, accepted_child[rows])
+            residual = (p_rows - q_rows).clamp_(min=0)
+            mass = residual.sum(-1, keepdim=True)  # [m, 1]
+            replace = (undecided & ~accepted)[:, None] & (mass > _RESIDUAL_EPS)  # below: p == q up to rounding
+            p[rows] = torch.where(replace, residual / mass.clamp(min=_RESIDUAL_EPS), p_rows)
+
+    def next_token(last: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(p[last], 1, generator=generator)[:, 0]  # [B]
+
+    return layout.verdicts(accepted_child, input_ids, next_token)

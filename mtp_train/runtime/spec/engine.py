@@ -25,7 +25,12 @@ from mtp_train.runtime.generate import GenerationResult, Outputs, check_lengths,
 from mtp_train.runtime.host_sync import to_device
 from mtp_train.runtime.kv_cache import PageAllocator
 from mtp_train.runtime.model import CausalLM
-from mtp_train.runtime.rejection import greedy_accept_chains, rejection_sample_chains
+from mtp_train.runtime.rejection import (
+    greedy_accept_chains,
+    greedy_accept_trees,
+    rejection_sample_chains,
+    rejection_sample_trees,
+)
 from mtp_train.runtime.sampler import SamplingParams, processed_probs, sample
 from mtp_train.runtime.spec.proposer import (
     DraftProposal,
@@ -143,11 +148,14 @@ def speculative_generate(
         stats.target_sequence_forwards += len(active)
         stats.verify_sequence_steps += len(active)
         hidden_per_request = proposer.target_states(out).split(verify_lens)  # [n_b + 1, d (3d)] each
-        if tree:
-            logits_per_request = out.logits.split(verify_lens)  # [n_b + 1, vocab] each
-            verdicts = [p.accept(logits, r.token_ids[-1], sampling, generator)
-                        for r, p, logits in zip(active, proposals, logits_per_request)]
-        elif sampling.greedy:  # every chain's verdict on the device, read back in one transfer
+        # every sequence's verdict on the device, read back in one transfer
+        if tree and sampling.greedy:
+            verdicts = greedy_accept_trees(input_ids, out.logits.argmax(-1), [p.parents for p in proposals])
+        elif tree:
+            verdicts = rejection_sample_trees(input_ids, [p.draft_probs for p in proposals],
+                                              processed_probs(out.logits, sampling), [p.parents for p in proposals],
+                                              generator)
+        elif sampling.greedy:
             verdicts = greedy_accept_chains(input_ids, out.logits.argmax(-1), verify_lens)
         else:
             verdicts = rejection_sample_chains(input_ids, [p.draft_probs for p in proposals],

@@ -17,7 +17,6 @@ from mtp_train.errors import UserError
 from mtp_train.runtime.host_sync import to_device
 from mtp_train.runtime.kv_cache import KVCache, PageAllocator, Sequence
 from mtp_train.runtime.model import CausalLM
-from mtp_train.runtime.rejection import RejectionResult, greedy_accept, rejection_sample
 from mtp_train.runtime.sampler import SamplingParams, processed_probs, sample_from_probs
 
 
@@ -44,8 +43,8 @@ def compact_accepted_path(cache: KVCache, view: Sequence, start: int, path: list
     storages = [storage for layer in cache.layers
                 for storage in (layer if isinstance(layer, (tuple, list)) else (layer,))]
     device = storages[0].device
-    src = torch.tensor([slot(s) for s, _ in moves], device=device)
-    dst = torch.tensor([slot(d) for _, d in moves], device=device)
+    src = to_device([slot(s) for s, _ in moves], torch.long, device)
+    dst = to_device([slot(d) for _, d in moves], torch.long, device)
     for storage in storages:
         flat = storage.view(-1, *storage.shape[2:])  # [num_pages * page_size, ...]
         flat.index_copy_(0, dst, flat.index_select(0, src))
@@ -56,7 +55,7 @@ def accepted_rows(hidden: torch.Tensor, path: list[int]) -> torch.Tensor:
     nodes' `path`, in order (a chain's accepted drafts are rows 1..a already)."""
     if path == list(range(1, len(path) + 1)):
         return hidden[: len(path) + 1]
-    return hidden[[0, *path]]
+    return hidden.index_select(0, to_device([0, *path], torch.long, hidden.device))
 
 
 @dataclass
@@ -109,7 +108,8 @@ class Request:
 class DraftProposal:
     """One sequence's draft chain. What the speculative step asks of every proposal (a tree's is
     `spec/tree.py`'s `TreeProposal`): its draft tokens in verify order after the root (`tokens`, `size`), the depth of
-    each (`depths`), the verify mask (None: causal) and `accept`, which verifies it against the target."""
+    each (`depths`) and the verify mask (None: causal); the step verifies every proposal of the batch at once
+    (`rejection.greedy_accept_chains` / `rejection_sample_chains`)."""
 
     draft_token_ids: torch.Tensor  # [k_b] int64
     draft_probs: torch.Tensor | None  # [k_b, vocab] fp32 distributions they were sampled from (None when greedy)
@@ -128,15 +128,6 @@ class DraftProposal:
 
     def verify_mask(self) -> None:
         return None
-
-    def accept(self, target_logits: torch.Tensor, root_token: int, sampling: SamplingParams,
-               generator: torch.Generator | None) -> RejectionResult:
-        """Verify against the target's rows [k_b + 1, vocab] (the root's and each draft's): greedy, the longest prefix
-        of the target's argmax; sampling, the rejection sampler."""
-        if sampling.greedy:
-            return greedy_accept(self.draft_token_ids, target_logits.argmax(-1))
-        return rejection_sample(self.draft_token_ids, self.draft_probs, processed_probs(target_logits, sampling),
-                                generator)
 
 
 _PROPOSERS: list[type[Proposer]] = []  # every Proposer subclass, in import order

@@ -33,7 +33,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.runtime.attention import BatchInfo, ancestor_mask
-from mtp_train.runtime.rejection import TreeRejectionResult, greedy_accept_tree, tree_rejection_sample
+from mtp_train.runtime.host_sync import to_device
 from mtp_train.runtime.sampler import SamplingParams, processed_probs
 from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
 from mtp_train.runtime.spec.prompt_lookup import PromptLookup, ngram_next_token
@@ -106,36 +106,21 @@ class DraftTree:
 
 @dataclass
 class TreeProposal:
-    """One sequence's draft tree in verify order: node i + 1 of the verify is draft i (node 0 is the root)."""
+    """One sequence's draft tree in verify order: node i + 1 of the verify is draft i (node 0 is the root); the
+    siblings of a node are tested in node order (`rejection.greedy_accept_trees` / `rejection_sample_trees`)."""
 
     tokens: list[int]  # [n] draft tokens (target ids)
     parents: list[int]  # [n] parent node of each (0 = the root), always an earlier node
     depths: list[int]  # [n] 1..d
-    candidate_probs: dict[int, torch.Tensor] | None  # sampling: node -> [children, vocab], in `children` order
+    draft_probs: torch.Tensor | None  # sampling: [n, vocab] the distribution each node was drawn from
 
     @property
     def size(self) -> int:
         return len(self.tokens)
 
-    def children(self) -> list[list[int]]:
-        """children[u] for u = 0..n, in node order (the order they are tested)."""
-        out: list[list[int]] = [[] for _ in range(self.size + 1)]
-        for i, parent in enumerate(self.parents):
-            out[parent].append(i + 1)
-        return out
-
     def verify_mask(self) -> torch.Tensor:
         """[n + 1, n + 1] bool: each node (the root included) attends to its ancestors and itself."""
         return ancestor_mask([-1, *self.parents])
-
-    def accept(self, target_logits: torch.Tensor, root_token: int, sampling: SamplingParams,
-               generator: torch.Generator | None) -> TreeRejectionResult:
-        """Verify against the target's rows [n + 1, vocab] of this tree."""
-        tokens = [root_token, *self.tokens]
-        if sampling.greedy:
-            return greedy_accept_tree(tokens, self.children(), target_logits.argmax(-1).tolist())
-        target_probs = processed_probs(target_logits, sampling)  # [n + 1, vocab]
-        return tree_rejection_sample(tokens, self.children(), self.candidate_probs, target_probs, generator)
 
 
 @dataclass
@@ -148,13 +133,14 @@ class _Node:
     source: str = "head"
 
 
-def _draw_without_replacement(probs: torch.Tensor, count: int, generator) -> list[int]:
-    """`count` distinct ids drawn one after another from `probs` [V] without replacement (Gumbel top-k: the order of
-    the keys is the order of the draws); fewer when fewer have positive probability."""
+def _draw_without_replacement(probs: torch.Tensor, count: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `probs` [m, V], `count` distinct ids drawn one after another without replacement (Gumbel top-k:
+    the order of the keys is the order of the draws): (ids [m, count], drawn [m, count] bool). A row with fewer than
+    `count` ids of positive probability draws only those: the rest of its row is marked not drawn."""
     uniform = torch.rand(probs.shape, generator=generator, device=probs.device).clamp_(min=1e-20)
-    keys = probs.log() - (-uniform.log()).log()  # log p + Gumbel(0, 1)
-    top = torch.topk(keys, min(count, int((probs > 0).sum())))
-    return top.indices.tolist()
+    keys = probs.log() - (-uniform.log()).log()  # log p + Gumbel(0, 1); -inf where p = 0
+    top = torch.topk(keys, min(count, probs.shape[-1]), dim=-1)
+    return top.indices, top.values > float("-inf")
 
 
 class TreeProposer(MTPChainProposer):
@@ -178,38 +164,35 @@ class TreeProposer(MTPChainProposer):
     def _children(self, logits: torch.Tensor, sampling: SamplingParams, generator, count: int
                   ) -> list[tuple[list[int], list[float], list[torch.Tensor] | None]]:
         """For each row of draft logits [m, N]: up to `count` child tokens (target ids), their draft log-probs and
-        (sampling) the distribution each was drawn from, [vocab] rows in the target's vocabulary."""
-        out = []
+        (sampling) the distribution each was drawn from, [vocab] rows in the target's vocabulary. One device→host
+        transfer for all rows (the tree's shape is decided on the host)."""
         if sampling.greedy:
-            logprobs = logits.float().log_softmax(-1)
-            top = torch.topk(logprobs, min(count, logprobs.shape[-1]), dim=-1)
-            ids, values = top.indices, top.values
-            if self.draft_ids is not None:
-                ids = self.draft_ids[ids]
-            for row_ids, row_values in zip(ids.tolist(), values.tolist()):
-                out.append((row_ids, row_values, None))
-            return out
-        probs = processed_probs(logits, sampling)  # [m, N]
-        for row in probs:
-            drawn = _draw_without_replacement(row, count, generator)
-            rows, remaining = [], row.clone()
-            logq = []
-            for token in drawn:
-                q = remaining / remaining.sum()
-                rows.append(self._to_vocab(q))
-                logq.append(float(row[token].log()))
-                remaining[token] = 0.0
-            tokens = drawn
-            if self.draft_ids is not None and drawn:
-                tokens = self.draft_ids[torch.tensor(drawn, device=self.draft_ids.device)].tolist()
-            out.append((tokens, logq, rows))
+            top = torch.topk(logits.float().log_softmax(-1), min(count, logits.shape[-1]), dim=-1)  # [m, count]
+            ids, logq, drawn, q_rows = top.indices, top.values, torch.ones_like(top.indices, dtype=torch.bool), None
+        else:
+            probs = processed_probs(logits, sampling).float()  # [m, N]
+            ids, drawn = _draw_without_replacement(probs, count, generator)  # [m, count] each
+            logq = probs.gather(-1, ids).log()
+            q_rows, remaining = [], probs.clone()  # q_rows[i] [m, vocab]: what the i-th draw of each row came from
+            for i in range(ids.shape[1]):
+                q_rows.append(self._to_vocab(remaining / remaining.sum(-1, keepdim=True).clamp(min=1e-30)))
+                remaining.scatter_(-1, ids[:, i : i + 1], 0.0)
+        if self.draft_ids is not None:
+            ids = self.draft_ids[ids]
+        # ids (< 2^53) travel exactly as float64, with the log-probs and the drawn flags: one transfer
+        host = torch.stack([ids.double(), logq.double(), drawn.double()]).tolist()  # [3, m, count]
+        out = []
+        for r, (row_ids, row_logq, row_drawn) in enumerate(zip(*host)):
+            n = int(sum(row_drawn))  # a row's drawn ids come first (sorted keys)
+            rows = [q[r] for q in q_rows[:n]] if q_rows is not None else None
+            out.append(([int(t) for t in row_ids[:n]], row_logq[:n], rows))
         return out
 
     def _to_vocab(self, probs: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary probabilities [N] -> [V] (zero outside the draft vocabulary)."""
+        """Draft-vocabulary probabilities [..., N] -> [..., V] (zero outside the draft vocabulary)."""
         if self.draft_ids is None:
             return probs
-        return probs.new_zeros(self.target_vocab_size).index_copy_(0, self.draft_ids, probs)
+        return probs.new_zeros(*probs.shape[:-1], self.target_vocab_size).index_copy_(-1, self.draft_ids, probs)
 
     def _lookup_branch(self, req: Request, depth: int) -> list[int]:
         """The n-gram continuation of the sequence: up to `depth` tokens, stopping where no n-gram matches."""
@@ -250,7 +233,7 @@ class TreeProposer(MTPChainProposer):
             masks.append(mask)
         batch = BatchInfo.for_tree([requests[b].draft.view for b in active], positions, masks, self.allocator,
                                    self.device)
-        out = self.head(torch.tensor(token_ids, device=self.device), torch.stack(carried), batch, self.kv_cache)
+        out = self.head(to_device(token_ids, torch.long, self.device), torch.stack(carried), batch, self.kv_cache)
         self.forwards += 1
         r = 0
         for b in active:
@@ -339,13 +322,11 @@ class TreeProposer(MTPChainProposer):
                     depths.append(j + 1)
                     match = len(tokens)
                 node = match
-        candidate_probs = None
+        draft_probs = None
         if not sampling.greedy:
-            by_parent: dict[int, list[torch.Tensor]] = {}
-            for i in kept:
-                by_parent.setdefault(number[tree[i].parent], []).append(tree[i].probs_row)
-            candidate_probs = {u: torch.stack(rows) for u, rows in by_parent.items()}
-        return TreeProposal(tokens, parents, depths, candidate_probs)
+            empty = torch.zeros(0, self.vocab_size, device=self.device)
+            draft_probs = torch.stack([tree[i].probs_row for i in kept]) if kept else empty
+        return TreeProposal(tokens, parents, depths, draft_probs)
 
 
 def representative_tree(shape: TreeShape) -> tuple[list[int], list[int]]:
