@@ -18,7 +18,7 @@ Paths (each with its own target, weight copies and head):
    2 × layers × kv_len × kv_heads × head_dim × cache element size) over its time, as a fraction of the read bandwidth
    (a sum over a 256 MiB buffer, timed in the same interleaved rounds as the steps: a shared machine's read rate
    drifts within seconds, so a rate measured at another moment gives another fraction for the same decode step;
-   docs/tuning.md); verify of n = 2, 4, 8 tokens relative to one decode step; one head draft step relative to
+   docs/benchmarks.md); verify of n = 2, 4, 8 tokens relative to one decode step; one head draft step relative to
    one decode step (short prompt). Fractions and verify ratios are taken within each of 5 rounds (the same moment of
    the machine), their median reported; decode ms and the read rate are the best round's.
 2. Speculative speed on MT-bench prompts (`auto` path; the slower paths would take too long): transformers
@@ -31,7 +31,7 @@ Paths (each with its own target, weight copies and head):
 Ends with one `RESULT` line: `decode_bw_frac`, `verify4_over_decode` (auto, short prompt), `speedup_best` (auto, best
 MTP k over auto plain), `long_decode_over_short` (auto), per-path figures and the machine. `--quick`: 2 prompts, 48
 new tokens, k = 1 and 3, fewer repeats (the full run: 6 prompts, 128 new tokens, k = 1..4); their wall times are in
-docs/tuning.md."""
+docs/benchmarks.md."""
 
 from __future__ import annotations
 

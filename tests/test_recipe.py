@@ -40,8 +40,8 @@ def write_recipe(directory: Path, text: str, name: str = "exp.yaml") -> Path:
     return path
 
 
-# The default recipe is tuned for `make demo` (docs/tuning.md); these keys differ from the schema defaults, each marked
-# `# demo:` in the file. Everything else is the schema default, spelled out.
+# The default recipe is tuned for `make demo` (docs/benchmarks.md); these keys differ from the schema defaults, each
+# marked `# demo:` in the file. Everything else is the schema default, spelled out.
 DEMO_TUNED = {
     "data.max_samples": 600, "data.max_seq_len": 256, "head.draft_vocab_size": 8192, "train.zero_stage": 2,
     "train.micro_batch_tokens": 512, "train.lr": 2e-3, "train.warmup_steps": 10, "train.epochs": 6,

@@ -142,7 +142,7 @@ def test_auto_dtype_parity_with_transformers(real, auto_model):
             # cache; only the residual stream, norms and attention stay fp32, so it rounds less than a bf16 model
             # (scripts/compare_precision.py over the demo's held-out split: max 2.85% of the largest logit, mean
             # |error| 0.061, argmax agreement 98.5%, against a bf16 model's 3.4%, 0.114, 98.0%). Here: 2.6% on an
-            # Intel Xeon with AMX, 3.1% on a Zen 4 (docs/tuning.md, "Precision paths per CPU kind").
+            # Intel Xeon with AMX, 3.1% on a Zen 4 (docs/benchmarks.md, "Precision on CPUs").
             assert (ours[:split] - ref[:split]).abs().max() <= bf16_gemm_tol
         elif precision.dtype == "bfloat16":  # a CPU with native bf16 whose decode probe chose torch's bf16 path:
             assert (ours[:split] - ref[:split]).abs().max() <= bf16_gemm_tol

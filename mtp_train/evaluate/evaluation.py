@@ -34,7 +34,7 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
     with `precision`; the draft computes like it. The report's speedups are measured: tokens/s against plain
     decoding's on the same prompts. Only with `cost_curve` (the recipe's `eval.cost_curve`) does the eval also profile
     each draft's step costs (`profile.costs.measure_cost_curves`, a few seconds each) on the first prompt at batch 1,
-    before and after the runs, averaged (a shared machine's state moves within a run: docs/tuning.md), and the
+    before and after the runs, averaged (a shared machine's state moves within a run: docs/benchmarks.md), and the
     report gives the speedup they predict beside the measured one.
 
     `trees`: tree drafting with the head beside its chain, one method per 'DEPTHxTOPKxNODES' (a hybrid tree with the

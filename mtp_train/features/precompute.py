@@ -157,7 +157,8 @@ def _resolve_features_precision(section, device: torch.device, dist, rank: int):
     stored hidden states train a head that is served over the target's paged K/V cache, whose rows are rounded once
     as they are written (bf16 where decode reads bf16 or int8 weights: an fp32 model on an AVX2-only CPU); over
     unrounded K/V the states differ by that rounding, and near-ties of the target's argmax resolve otherwise than in
-    serving (docs/tuning.md session 15). `auto` is the cache `eval` decodes over (decode timing included)."""
+    serving (docs/benchmarks.md, "Precision on CPUs"). `auto` is the cache `eval` decodes over (decode timing
+    included)."""
     precision = resolve_section(section, device, phases=("prefill", "kv_cache")) if rank == 0 else None
     if dist is not None:
         box = [precision]

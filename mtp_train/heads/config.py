@@ -50,7 +50,7 @@ class HeadConfig:
     model_type: str
     kind: str = "mtp"
     num_layers: int = 1
-    init: str = "random"  # "random": normal(0, init_range) (learned faster, docs/tuning.md); "last_layer": copy the
+    init: str = "random"  # "random": normal(0, init_range) (learned faster, docs/benchmarks.md); "last_layer": copy the
     # target's last decoder layer
     draft_vocab_size: int | None = None  # None = the full vocabulary; N = the head predicts N target tokens (d2t/t2d)
     target_fingerprint: str | None = None  # hash of the target it was trained for; checked on load when both known

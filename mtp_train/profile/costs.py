@@ -2,7 +2,7 @@
 (n = 1 is a decode step, n = k + 1 a verify) and one draft step of a head (its layer over its KV cache plus the
 vocabulary projection), of a draft model (one decode step) or of prompt lookup (one n-gram search), each after a
 prefill of the same prompt, at batch 1. Times are the best of 3 rounds: the machine is shared. `eval` measures them
-only when asked (`eval.cost_curve`); docs/tuning.md has what they measured and where they missed.
+only when asked (`eval.cost_curve`); docs/benchmarks.md has what they measured and where they missed.
 
 `CostCurve` holds them relative to one decode step, and predicts the speedup of k speculative tokens from the
 acceptance measured at that k: τ(k) / (verify(k+1)/decode + drafting(k)/decode) (τ: tokens per target forward;
@@ -58,8 +58,8 @@ def interleaved_best_seconds(fns: dict, repeats: int, rounds: int = 3, between=N
 def interleaved_round_seconds(fns: dict, repeats: int, rounds: int = 3, between=None) -> dict:
     """{key: [seconds per call of fns[key] in each round]}: 3 warm-up calls each, then `rounds` rounds in which every
     fn runs `repeats` timed calls in turn. Contenders alternate, so a slow spell of a shared machine (its step times
-    and its memory's read rate move within seconds: docs/tuning.md) falls on all of them, and the ratios between them
-    within a round hold."""
+    and its memory's read rate move within seconds: docs/benchmarks.md) falls on all of them, and the ratios between
+    them within a round hold."""
     for fn in fns.values():
         for _ in range(3):
             fn()
@@ -112,7 +112,7 @@ def target_step_rounds(target, prompt_ids: list[int], n_tokens: list[int], repea
 def head_step_seconds(target, head, prompt_ids: list[int], repeats: int = 50) -> float:
     """Seconds of one draft step of `head` (one token, vocabulary projection and argmax included), each after a target
     decode step, as in speculative decoding: the head's weights come from memory, not from a cache that repeated
-    head steps keep warm (timed back to back, a head step reads about half its cost in the loop: docs/tuning.md)."""
+    head steps keep warm (timed back to back, a head step reads about half its cost in the loop: docs/benchmarks.md)."""
     head = head if isinstance(head, HeadRunner) else HeadRunner(head)  # as the proposers draft through it
     allocator = PageAllocator(2 * _pages(prompt_ids, 1), 16)
     cache, head_cache = target.new_kv_cache(allocator), head.new_kv_cache(allocator)

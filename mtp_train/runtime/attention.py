@@ -225,7 +225,7 @@ def _small_query_attention(
 ) -> torch.Tensor:
     """Masked attention for a few queries per sequence as two batched matmuls in fp32 (scores and softmax in fp32,
     like SDPA's accumulation). On CPU, SDPA's flash kernel parallelizes over queries, which makes it slower than
-    this for padded decode batches of one or a few queries (figures in docs/tuning.md)."""
+    this for padded decode batches of one or a few queries (figures in docs/benchmarks.md)."""
     batch, heads, n_q, head_dim = q.shape
     kv_heads, kv = k.shape[1], k.shape[2]
     group = heads // kv_heads  # query heads per KV head (GQA)

@@ -2,8 +2,8 @@
 
 glibc serves allocations above its mmap threshold with fresh `mmap`s, and returns freed heap tops above its trim
 threshold to the kernel; both make every large temporary (vocabulary logits, MLP activations) page-fault anew, which
-showed up as system time in training (docs/tuning.md). We pin the mmap threshold at its maximum (32 MiB, so it no longer adapts)
-and keep freed heap memory, so temporaries below 32 MiB are recycled from the heap.
+showed up as system time in training (docs/benchmarks.md). We pin the mmap threshold at its maximum (32 MiB, so it
+no longer adapts) and keep freed heap memory, so temporaries below 32 MiB are recycled from the heap.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 through the `mtp_cpu` kernels. `runtime/decode_runner.py` applies them to a model from outside its definition.
 
 A decode step on a CPU is memory-bound: each weight meets one to a few rows. torch's small-row matmuls stream the
-weights far below the memory limit, and a decoder layer makes ~50 small ops between them (figures in docs/tuning.md).
+weights far below the memory limit, and a decoder layer makes ~50 small ops between them (docs/benchmarks.md).
 Here each Llama-family decoder layer gets a `DecoderLayerKernel`: its weights packed once in the decode dtype (q/k/v
 fused, gate/up interleaved) and seven kernel calls per layer — RMSNorm, the fused QKV projection, RoPE + cache write +
 paged attention in place, the output projection with the residual add, RMSNorm, gate/up with SiLU-and-multiply, the
@@ -81,7 +81,7 @@ class ManyRowLinear:
     `KERNEL_MAX_ROWS` rows of a frozen fp32 model on the CPU (decode and verify batches of many sequences): the fp32
     weight prepacked once for oneDNN's GEMM (`mkldnn._linear_pointwise`), on first use, so a batch-1 user never pays
     its memory (one more fp32 copy of the weights it covers): oneDNN's prepacked GEMM beats MKL's sgemm on the
-    module's weight at these row counts (docs/tuning.md, "Figures behind the decode path's choices"). Without oneDNN,
+    module's weight at these row counts (docs/benchmarks.md, "Figures behind the code's choices"). Without oneDNN,
     `F.linear` on the concatenated weight.
 
     With `dtype` bf16 (the decode dtype) on a CPU with native bf16 matmul (avx512_bf16, amx_bf16), the GEMMs run on a
@@ -225,7 +225,7 @@ class DecoderLayerKernel:
     @property
     def bf16_prefill(self) -> bool:
         """Prefills run their linears as bf16 GEMMs (`ManyRowLinear` on bf16 copies): on a native-bf16 CPU with bf16
-        decode weights, twice the fp32 GEMM rate (docs/tuning.md)."""
+        decode weights, twice the fp32 GEMM rate (docs/benchmarks.md)."""
         return self.qkv_many.dtype == torch.bfloat16
 
     def __call__(self, x: torch.Tensor, cos, sin, batch: BatchInfo, layer_cache) -> torch.Tensor:
@@ -315,7 +315,7 @@ class DecodeStack:
     """A model's whole list of decoder layers, every one with a `DecoderLayerKernel`, run by one kernel call
     (`decode_layers`) for the forwards every layer's kernel path would take (a few rows, a few per sequence, the tree
     mask expressible): the same seven kernel calls per layer, made from C++, so its rows are bit-identical to the
-    per-layer path, without ~7 op dispatches and the Python around them per layer (docs/tuning.md). Not built under
+    per-layer path, without ~7 op dispatches and the Python around them per layer (docs/benchmarks.md). Not built under
     tensor parallelism (the layers' partial sums are all-reduced from Python) or when the layers' head layout
     differs."""
 
@@ -365,7 +365,7 @@ class DecodeHeadForward:
     rows (`DecodeMTPInput`), the layers (`DecodeStack`), the final norm and the output projection's decode copy of the
     rows asked for, with their argmax, bit for bit what those paths compute call by call. A head's draft step or
     catch-up right after a target forward otherwise spends about as long in the Python around its ~10 kernel calls as
-    in the kernels (see docs/tuning.md)."""
+    in the kernels (see docs/benchmarks.md)."""
 
     def __init__(self, head, stack: DecodeStack, input_projection: SmallRowLinear, projection: SmallRowLinear,
                  projection_key: tuple):

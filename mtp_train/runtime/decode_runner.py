@@ -178,7 +178,7 @@ def _decode_settings(precision: Precision) -> tuple[torch.dtype, int]:
         # differs from the kernels': a verify or a draft tree of more rows than a decode step would see other logits
         # than the decode steps it replaces, and greedy speculative output would part from plain greedy at near-ties.
         # The kernels keep serving up to EXACT_VERIFY_ROWS rows (a verify of k + 1 tokens for up to 8 sequences, a
-        # tree of up to 31 nodes); docs/tuning.md has the measurements.
+        # tree of up to 31 nodes); docs/benchmarks.md has the measurements.
         rows = max(rows, EXACT_VERIFY_ROWS)
     return precision.decode_torch_dtype, rows
 
@@ -309,7 +309,7 @@ def head_runner(head: nn.Module, precision: Precision, head_decode_dtype: str = 
     `target`: the target's decode weights (`apply_decode_weights`). `int8`: weight-only int8 with one scale per
     output row (`cpu_decode.quantize_rows`) through the CPU decode kernels: a head step streams its layer, input
     projection and output projection in half the bytes of bf16; the target's verify stays exact, so the output
-    distribution is unchanged (greedy output identical) and only the acceptance can move (docs/tuning.md). Refused
+    distribution is unchanged (greedy output identical) and only the acceptance can move (docs/benchmarks.md). Refused
     where the kernels do not serve the head (no kernels, CUDA, a bf16/fp16 model). `auto`: int8 where the kernels
     serve the head, else `target`."""
     if head_decode_dtype not in HEAD_DECODE_DTYPES:

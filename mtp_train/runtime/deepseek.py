@@ -20,7 +20,7 @@ MLA, per token t: `c_t = kv_a_layernorm(kv_a_proj_with_mqa(x_t)[:r])` (r = kv_lo
   query-key pair is heads * (2r + rope) against the expanded form's per-key up-projection of r * heads *
   (qk_nope + v): at one query per sequence the absorbed form is ~100x fewer multiply-adds for V2-Lite's shapes, at a
   whole prompt the expanded one wins (vLLM and SGLang make the same split). Both agree to fp32 rounding (step
-  times of the two forms: docs/tuning.md, "Figures moved from docstrings").
+  times of the two forms: docs/benchmarks.md, "Figures behind the code's choices").
 
 RoPE: DeepSeek stores the rope dimensions as interleaved pairs (V2 always, V3 with `rope_interleave`); the pairs are
 de-interleaved before the rotate-half rotation (transformers' V3 formula; V2's complex-number rotation differs only by

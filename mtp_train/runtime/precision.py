@@ -276,7 +276,7 @@ def resolve_kv_cache_dtype(requested: str, precision: Precision) -> str:
     model is bf16: the cache then keeps the model's dtype), else the compute dtype. The cache is what a decode step
     reads besides the weights, and at long context it rivals them, so a bf16 cache halves a large part of a step's
     bytes (its rounding is that of a bf16 model's cache; decode and verify read the same cache, so greedy speculative
-    output stays identical to plain greedy). Measured in docs/tuning.md."""
+    output stays identical to plain greedy). Measured in docs/benchmarks.md."""
     if requested != "auto":
         return requested
     if precision.dtype == "bfloat16" or precision.decode_dtype in ("bfloat16", "int8"):

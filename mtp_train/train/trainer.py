@@ -150,8 +150,8 @@ def _skip_deepspeed_shm_build() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (`deepspeed_shm_comm`) when it initializes
     the process group. Only DeepSpeed-Inference's `inference_all_reduce` uses it; training reduces through
     torch.distributed (gloo). The build runs in every fresh environment (CI, a fresh clone's `make demo`; its cost in
-    docs/tuning.md), so the trainer tells DeepSpeed the op is unavailable, which is DeepSpeed's own fallback when the
-    op cannot be built."""
+    docs/benchmarks.md), so the trainer tells DeepSpeed the op is unavailable, which is DeepSpeed's own fallback when
+    the op cannot be built."""
     # import_module, not `import deepspeed.comm.torch as ...`: the package's `torch` attribute is the torch library.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 

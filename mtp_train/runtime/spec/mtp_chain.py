@@ -14,7 +14,7 @@ verify's (exact) hidden states, in the same forward that yields the next d_1.
 (`Proposer.propose`). The head runs through a `decode_runner.HeadRunner` (a bare head gets a plain one): each head
 forward and its logits is one call (`forward_with_logits`), and greedy, where the CPU decode path has it, the catch-up
 and the k - 1 draft steps are one call (`greedy_chain`): after a target forward has emptied the caches, the Python
-between a head's kernel calls costs about as much as the kernels (docs/tuning.md).
+between a head's kernel calls costs about as much as the kernels (docs/benchmarks.md).
 """
 
 from __future__ import annotations

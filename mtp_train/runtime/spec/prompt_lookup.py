@@ -30,7 +30,7 @@ def ngram_next_token(tokens: list[int], max_ngram: int = 3, min_ngram: int = 1) 
     """The token after the latest earlier occurrence of the last n tokens, longest n first; None without a match.
 
     Searched as bytes (`bytes.rfind`, C speed) over the ids packed as C ints, keeping the matches that start on an id
-    boundary: a Python scan over the slices costs more than the step it saves (figures in docs/tuning.md)."""
+    boundary: a Python scan over the slices costs more than the step it saves (figures in docs/benchmarks.md)."""
     haystack = array("i", tokens).tobytes()
     searched_end = (len(tokens) - 1) * _ID_BYTES  # a match must end before the last token (its successor exists)
     for n in range(max_ngram, min_ngram - 1, -1):
