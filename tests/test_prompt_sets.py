@@ -1,11 +1,13 @@
 """The eval prompt sets shipped with the package (mtp_train/evaluate/prompt_sets): they load, an install carries them,
-they are named wherever a prompts file is taken (recipe `eval.prompts`, `eval --prompts`, `generate --prompts-file`),
-and an unknown name is a clear error."""
+they are named wherever a prompts file is taken (recipe `eval.prompts`, `eval --prompts`, `generate --prompts-file`,
+the bench scripts' `--prompts`, whose default is the built-in MT-bench set), and an unknown name is a clear error."""
 
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import json
+import sys
 import tomllib
 from pathlib import Path
 
@@ -16,6 +18,19 @@ from mtp_train.evaluate.prompts import BUILT_IN_SETS, PROMPT_SETS_DIR, load_mt_b
 from mtp_train.recipe import EvalSection
 
 REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+
+
+def _script(name: str):
+    """scripts/<name>.py as a module (its directory on sys.path, as when it runs: the bench scripts import each
+    other)."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize(("name", "turns_per_prompt", "categories"), [
@@ -88,3 +103,26 @@ def test_generate_reads_a_built_in_set_by_name() -> None:
     assert messages == [prompt.turns[0] for prompt in load_mt_bench("gsm8k").prompts] and len(messages) == 80
     with pytest.raises(UserError, match=r"^--prompts-file gsm8k\.jsonl: prompts file not found, and not a built-in"):
         read_prompts_file("gsm8k.jsonl")
+
+
+def test_bench_scripts_default_to_the_built_in_mt_bench_set(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make bench` runs the scripts from a fresh clone: their default prompts are the package's MT-bench set, found
+    from any working directory."""
+    import argparse
+
+    monkeypatch.chdir(tmp_path)
+    bench_decode, bench_spec = _script("bench_decode"), _script("bench_spec")
+    mt_bench_first_turns = [prompt.turns[0] for prompt in load_mt_bench("mt_bench").prompts]
+
+    args = bench_decode.parse_args(["--quick"])
+    assert prompts_file(args.prompts) == PROMPT_SETS_DIR / "mt_bench.jsonl"
+    assert bench_decode.load_prompts(args.prompts, 82) == mt_bench_first_turns + mt_bench_first_turns[:2]
+
+    parser = argparse.ArgumentParser()
+    bench_spec.add_run_arguments(parser, new_tokens=8)
+    args = parser.parse_args([])
+    assert prompts_file(args.prompts) == PROMPT_SETS_DIR / "mt_bench.jsonl"
+    (label, text), *docs = bench_spec.prompt_sources(args.prompts)
+    assert label == "mt_bench questions" and mt_bench_first_turns[0] in text and text.count("\n\n") >= 159
+    assert [label for label, _ in docs] == ["README/docs"]
