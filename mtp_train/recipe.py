@@ -319,7 +319,9 @@ MAX_SPECULATIVE_TOKENS = 8
 class EvalSection(_Section):
     """Acceptance evaluation through the speculative inference path."""
 
-    prompts: str | None = Field(None, description="MT-bench-style JSONL; null = the held-out split of `prepare`")
+    prompts: str | None = Field(
+        None, description="a built-in prompt set (mt_bench, humaneval, gsm8k: shipped with the package) or the path "
+        "of an MT-bench-style JSONL file (question_id, category, turns); null = the held-out split of `prepare`")
     engine: Literal["ours", "vllm", "both"] = Field(
         "ours", description="whose speculative decoding is measured: ours (this package's engine: chain, trees, "
         "lookup, cost curve), vllm (the head exported in the format vLLM loads and served by vLLM: τ, acceptance, "

@@ -16,35 +16,26 @@ line: `ratio_bB` = ours / transformers at batch B, `scaling_bB` = our tokens/s a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-DEFAULT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a short story about a robot learning to paint.",
-    "Explain the difference between TCP and UDP.",
-    "Give me three tips for writing clean Python code.",
-    "How do vaccines work?",
-]
 
+def load_prompts(name_or_path: str, limit: int) -> list[str]:
+    """`limit` first turns of the prompt set (a built-in set's name or a JSONL path), cycled when it has fewer."""
+    from mtp_train.evaluate.prompts import load_mt_bench
 
-def load_prompts(path: Path | None, limit: int) -> list[str]:
-    if path and path.is_file():
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        texts = [row["turns"][0] for row in rows if row.get("turns")]
-    else:
-        texts = list(DEFAULT_PROMPTS)
+    texts = [prompt.turns[0] for prompt in load_mt_bench(name_or_path).prompts]
     return [texts[i % len(texts)] for i in range(limit)]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=None, help="model dir (default: fetched SmolLM2)")
-    parser.add_argument("--prompts", type=Path, default=Path("../shared/data/eval/mt_bench.jsonl"))
+    parser.add_argument("--prompts", default="mt_bench",
+                        help="built-in prompt set (mt_bench, humaneval, gsm8k) or MT-bench-format JSONL file")
     parser.add_argument("--num-prompts", type=int, default=5, help="prompts timed one by one at batch 1")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="e.g. 1 8 32 64")
@@ -54,11 +45,17 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens (16 at batch > 1)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.num_prompts, args.new_tokens = 2, 32
         args.batch_new_tokens = args.batch_new_tokens or 16
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     batch_new_tokens = args.batch_new_tokens or args.new_tokens
+    user_messages = load_prompts(args.prompts, max(max(args.batch_sizes), args.num_prompts))
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -78,8 +75,7 @@ def main() -> None:
     ours = load_model(target, device="cpu", precision=precision)
     tokenizer = load_tokenizer(target)
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
-    most = max(max(args.batch_sizes), args.num_prompts)
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in load_prompts(args.prompts, most)]
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": text}]) for text in user_messages]
     c = ours.config
     kv_element = (ours.kv_cache_dtype or ours.dtype).itemsize
     kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_element

@@ -36,7 +36,6 @@ docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -114,12 +113,13 @@ class StepProfile:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def prompt_sources(mt_bench: Path) -> list[tuple[str, str]]:
-    """[(label, text)]: the MT-bench questions (every turn) when the file is there, and the repo's README and docs."""
-    sources = []
-    if mt_bench.is_file():
-        rows = [json.loads(line) for line in mt_bench.read_text().splitlines() if line.strip()]
-        sources.append(("MT-bench questions", "\n\n".join(turn for row in rows for turn in row.get("turns", []))))
+def prompt_sources(prompt_set: str) -> list[tuple[str, str]]:
+    """[(label, text)]: the prompt set's questions (every turn; a built-in set's name or a JSONL path) and the repo's
+    README and docs."""
+    from mtp_train.evaluate.prompts import load_mt_bench
+
+    questions = load_mt_bench(prompt_set)
+    sources = [(f"{prompt_set} questions", "\n\n".join(turn for prompt in questions.prompts for turn in prompt.turns))]
     docs = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
     text = "\n\n".join(path.read_text() for path in docs if path.is_file())
     if text:
@@ -322,21 +322,23 @@ def load_auto_run(args) -> AutoRun:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, new_tokens: int) -> None:
-    """The options the speculative benchmarks share: target, head, MT-bench prompts, how many, new tokens."""
+    """The options the speculative benchmarks share: target, head, MT-bench-format prompts, how many, new tokens."""
     parser.add_argument("--target", default=None, help="model dir (default: fetched SmolLM2)")
     parser.add_argument("--head", default="runs/smollm2-135m-mtp/head", help="trained head (else an untrained one)")
-    parser.add_argument("--prompts", type=Path, default=Path("../shared/data/eval/mt_bench.jsonl"))
+    parser.add_argument("--prompts", default="mt_bench",
+                        help="built-in prompt set (mt_bench, humaneval, gsm8k) or MT-bench-format JSONL file")
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=new_tokens)
 
 
-def mt_bench_chat_prompts(tokenizer, path: Path, limit: int) -> list[list[int]]:
-    """The first `limit` MT-bench questions' first turns as chat-templated prompt ids."""
+def mt_bench_chat_prompts(tokenizer, prompt_set: str, limit: int) -> list[list[int]]:
+    """The first turns of the prompt set's first `limit` questions (a built-in set's name or an MT-bench-format JSONL
+    path) as chat-templated prompt ids."""
+    from mtp_train.evaluate.prompts import load_mt_bench
     from mtp_train.runtime.chat import encode_chat
 
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [encode_chat(tokenizer, [{"role": "user", "content": row["turns"][0]}])
-            for row in rows if row.get("turns")][:limit]
+    return [encode_chat(tokenizer, [{"role": "user", "content": prompt.turns[0]}])
+            for prompt in load_mt_bench(prompt_set, limit).prompts]
 
 
 def main() -> None:

@@ -18,9 +18,10 @@ from mtp_train.data.conversations import (
     read_conversations,
 )
 from mtp_train.errors import UserError
+from mtp_train.evaluate.prompts import prompts_file
 from tests.conftest_data import sharegpt_row, write_jsonl
 
-SHARED_MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench.jsonl"
+MT_BENCH = prompts_file("mt_bench")  # the built-in set the package ships
 
 
 def roles_and_texts(conversation: Conversation) -> list[tuple[str, str]]:
@@ -76,13 +77,12 @@ def test_messages_jsonl_with_text_parts_and_mt_bench_turns(tmp_path: Path) -> No
     assert roles_and_texts(prompt) == [("user", "T1"), ("user", "T2")]
 
 
-@pytest.mark.skipif(not SHARED_MT_BENCH.is_file(), reason="shared MT-bench file not present")
 def test_real_mt_bench_file_reads_as_prompts() -> None:
-    prompts, stats = read_conversations(SHARED_MT_BENCH)
+    prompts, stats = read_conversations(MT_BENCH)
     assert stats.format == "mt_bench" and not stats.skipped and len(prompts) == stats.rows_read > 0
     assert all(m["role"] == "user" for prompt in prompts for m in prompt.messages)
     # For training they are unusable: no assistant turn, counted as such.
-    training_stats = SourceStats(path=str(SHARED_MT_BENCH))
+    training_stats = SourceStats(path=str(MT_BENCH))
     with pytest.raises(RowSkipped) as caught:
         normalize_for_training(prompts[0], training_stats)
     assert caught.value.reason == "no assistant turn" and not caught.value.malformed

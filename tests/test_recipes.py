@@ -68,6 +68,15 @@ def test_every_recipe_validates_and_agrees_with_its_deepspeed_config(path: Path)
     _validate_with_deepspeed(config, train.grad_accum)
 
 
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_evaluates_on_prompts_a_clone_has(path: Path) -> None:
+    """`eval.prompts` is null (the held-out split), a built-in set, or a file of the repository: nothing to fetch."""
+    from mtp_train.evaluate.prompts import load_mt_bench
+
+    prompts = load_recipe(path).eval.prompts
+    assert prompts is None or load_mt_bench(prompts, limit=1).prompts
+
+
 @pytest.mark.parametrize("name", sorted(PRODUCTION))
 def test_production_recipes_are_sized_for_h100_nodes(name: str) -> None:
     expected = PRODUCTION[name]

@@ -55,6 +55,10 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if engine != "ours" and not head_dir:
         raise UserError("--engine vllm/both measures a head (vLLM serves a draft model otherwise); use --head")
     prompts_path = recipe.eval.prompts
+    if prompts_path:
+        from mtp_train.evaluate.prompts import prompts_file
+
+        prompts_file(prompts_path)  # an unknown set name or a missing file is refused before the models load
     limit = recipe.eval.limit
     max_new_tokens = recipe.eval.max_new_tokens
     out_dir = Path(args.out) if args.out else run_dir / "eval"

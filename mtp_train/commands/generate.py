@@ -33,7 +33,8 @@ def register(subparsers) -> None:
                    help="user message (repeat for several prompts, decoded in batches of --batch-size)")
     p.add_argument("--prompts-file", default=None, metavar="FILE",
                    help="one user message per line (plain text), or JSONL rows with a `prompt` string or MT-bench "
-                        "`turns` (the first turn is used)")
+                        "`turns` (the first turn is used); or a built-in prompt set's name: mt_bench, humaneval, "
+                        "gsm8k")
     p.add_argument("--batch-size", type=int, default=16, metavar="N",
                    help="prompts decoded together when there are several (default 16)")
     p.add_argument("--system", default=None, help="optional system message")
@@ -92,15 +93,16 @@ MAX_GENERATE_BATCH = 256
 
 
 def read_prompts_file(path: str) -> list[str]:
-    """The user messages of `--prompts-file`: plain-text lines, or JSONL rows with `prompt` or `turns` (first turn).
-    Blank lines are skipped; a row without a message is a UserError naming the file and line."""
-    from pathlib import Path
-
+    """The user messages of `--prompts-file` (a file, or a built-in prompt set's name): plain-text lines, or JSONL
+    rows with `prompt` or `turns` (first turn). Blank lines are skipped; a row without a message is a UserError naming
+    the file and line."""
     from mtp_train.errors import UserError
+    from mtp_train.evaluate.prompts import prompts_file
 
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"--prompts-file {path}: file not found")
+    try:
+        file = prompts_file(path)
+    except UserError as err:
+        raise UserError(f"--prompts-file {err}") from None
     prompts = []
     for line_number, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         if not line.strip():

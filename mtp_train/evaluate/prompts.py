@@ -1,4 +1,8 @@
-"""Evaluation prompts: MT-bench-format JSONL (`question_id`, `category`, `turns`) or the held-out split of `prepare`."""
+"""Evaluation prompts: MT-bench-format JSONL (`question_id`, `category`, `turns`) or the held-out split of `prepare`.
+
+The package ships three such files (prompt_sets/, origins and licences in its README.md), named by `BUILT_IN_SETS`
+wherever a prompts file is taken.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,22 @@ from pathlib import Path
 
 from mtp_train.data.prepared import load_prepared, prompt_before_first_reply
 from mtp_train.errors import UserError
+
+PROMPT_SETS_DIR = Path(__file__).parent / "prompt_sets"
+BUILT_IN_SETS = ("mt_bench", "humaneval", "gsm8k")  # prompt_sets/<name>.jsonl
+
+
+def prompts_file(name_or_path: str | Path) -> Path:
+    """The JSONL file a prompts setting names: a built-in set's file for its name, else the path itself, which must
+    be a file (a UserError otherwise, listing the built-in names)."""
+    if str(name_or_path) in BUILT_IN_SETS:
+        return PROMPT_SETS_DIR / f"{name_or_path}.jsonl"
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise UserError(f"{name_or_path}: prompts file not found, and not a built-in prompt set "
+                        f"({', '.join(BUILT_IN_SETS)}); give one of those names or the path of an MT-bench-format "
+                        "JSONL file (question_id, category, turns)")
+    return path
 
 
 @dataclass
@@ -25,10 +45,9 @@ class PromptSet:
     skipped: list[str] = field(default_factory=list)  # "file:line: reason"
 
 
-def load_mt_bench(path: str | Path, limit: int | None = None) -> PromptSet:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: prompts file not found (expected MT-bench-format JSONL: question_id, category, turns)")
+def load_mt_bench(name_or_path: str | Path, limit: int | None = None) -> PromptSet:
+    """The first `limit` usable rows (all with None) of a built-in set or an MT-bench-format JSONL file."""
+    path = prompts_file(name_or_path)
     prompts, skipped = [], []
     for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -47,7 +66,8 @@ def load_mt_bench(path: str | Path, limit: int | None = None) -> PromptSet:
             break
     if not prompts:
         raise UserError(f"{path}: no usable prompts ({len(skipped)} row(s) skipped, e.g. {skipped[:1]})")
-    return PromptSet(prompts, str(path), skipped)
+    source = f"{name_or_path} (built-in prompt set)" if str(name_or_path) in BUILT_IN_SETS else str(path)
+    return PromptSet(prompts, source, skipped)
 
 
 def load_heldout(prepared_dir: str | Path, limit: int | None = None) -> PromptSet:
