@@ -356,3 +356,14 @@ def test_the_eagle3_demo_recipe_names_every_key_it_changes_from_the_default() ->
     header = _header(path)
     assert [key for key in changed if key not in header and f"`{key.split('.')[-1]}" not in header] == []
 
+
+def test_the_recipes_table_of_the_docs_lists_every_recipe_as_it_is() -> None:
+    """docs/recipes.md has a row per shipped recipe whose target and head kind are the recipe's."""
+    rows = [line for line in (REPO_ROOT / "docs" / "recipes.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| [")]
+    by_name = {row.split("](../recipes/", 1)[1].split(".yaml)", 1)[0]: row.split(" | ") for row in rows}
+    assert sorted(by_name) == sorted(path.stem for path in RECIPES)
+    for name, cells in by_name.items():
+        recipe = load_recipe(REPO_ROOT / "recipes" / f"{name}.yaml")
+        assert cells[1] == f"`{recipe.target.path}`", name
+        assert cells[2] == recipe.head.kind, name
