@@ -36,11 +36,11 @@ _HEADER = f"""\
 
 <!-- Generated from mtp_train/recipe.py by `{REGENERATE_COMMAND}`; do not edit by hand. -->
 
-Every key a recipe (`recipes/*.yaml`) can set, section by section, as the schema in `mtp_train/recipe.py` declares
-it. A key left out of a recipe takes the default shown; an unknown key is an error that names it. Any key can be set
-from the command line with `--set section.key=value` (the value is read as YAML: `--set train.lr=3e-4`,
-`--set eval.num_speculative_tokens=[1,2]`, `--set eval.prompts=` for null). Paths are relative to the directory the
-command runs in (the repository root).
+Every key a recipe (a YAML file such as those in `recipes/`) can set, section by section, as the schema in
+`mtp_train/recipe.py` declares it. A key left out of a recipe takes the default shown; an unknown key is an error
+that names it. Any key can be set from the command line with `--set section.key=value` (the value is read as YAML:
+`--set train.lr=3e-4`, `--set eval.num_speculative_tokens=[1,2]`, `--set eval.prompts=` for null). Paths are
+relative to the directory the command runs in (the repository root).
 
 The shipped recipes, the hardware each is for and where their data comes from: [recipes.md](recipes.md).
 """
