@@ -15,7 +15,7 @@ import inspect
 import json
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -57,7 +57,8 @@ def _section_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
     return None, False
 
 
-def _bounds(metadata: list[Any]) -> list[str]:
+def _bounds(metadata: Sequence[Any]) -> list[str]:
+    """The limits in a field's metadata as text: `>= 1`, `< 1.0`."""
     texts = []
     for item in metadata:
         for name, symbol in _BOUNDS:
@@ -66,7 +67,7 @@ def _bounds(metadata: list[Any]) -> list[str]:
     return texts
 
 
-def type_text(annotation: Any, metadata: list[Any] = ()) -> str:
+def type_text(annotation: Any, metadata: Sequence[Any] = ()) -> str:
     """A field's type as a recipe writer reads it: `int (>= 1)`, `one of: auto, cpu, cuda`, `list of int`,
     `str or null`."""
     metadata = list(metadata)
@@ -153,17 +154,15 @@ def _table(section: str, fields: dict[str, FieldInfo]) -> list[str]:
     for name, field in fields.items():
         inner, is_list = _section_model(field.annotation)
         key = f"`{section}.{name}`" if section else f"`{name}`"
-        if inner is None:
-            kind, default, description = type_text(field.annotation, field.metadata), default_text(field), \
-                field.description or ""
-        else:
+        if inner is None:  # a value: its type and default read as code
+            kind = f"`{type_text(field.annotation, field.metadata)}`"
+            default = f"`{default_text(field)}`"
+            description = field.description or ""
+        else:  # a section: a link to its own table; a list's default is its items, a section's its keys' defaults
             where = f"{section}.{name}[]" if is_list else f"{section}.{name}"
             kind = f"{'list of sections' if is_list else 'section'}: [{where}](#{_anchor(where)})"
-            # A list's default is its items; a section's default is its keys' defaults, in its own table.
-            default = default_text(field) if is_list else "its keys' defaults"
+            default = f"`{default_text(field)}`" if is_list else "its keys' defaults"
             description = field.description or _doc(inner)
-        if inner is None:  # a value's type and default read as code; a section's cell is a link
-            kind, default = f"`{kind}`", f"`{default}`"
         rows.append(f"| {key} | {_cell(kind)} | {_cell(default)} | {_cell(description)} |")
     return rows
 
