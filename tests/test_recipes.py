@@ -357,6 +357,29 @@ def test_the_eagle3_demo_recipe_names_every_key_it_changes_from_the_default() ->
     assert [key for key in changed if key not in header and f"`{key.split('.')[-1]}" not in header] == []
 
 
+
+def test_a_recipe_that_lists_only_its_changes_lists_no_default() -> None:
+    """A recipe whose header says it lists only the keys that differ from the schema defaults does."""
+    import yaml
+
+    from mtp_train.recipe import Recipe
+
+    def listed_defaults(node: dict, value, default, prefix: str) -> list[str]:
+        found = []
+        for key, sub in node.items():
+            if isinstance(sub, dict):
+                found += listed_defaults(sub, getattr(value, key), getattr(default, key), f"{prefix}{key}.")
+            elif getattr(value, key) == getattr(default, key):
+                found.append(f"{prefix}{key}")
+        return found
+
+    claiming = [path for path in RECIPES
+                if "Only the keys that differ from the schema defaults are listed" in _header(path)]
+    assert [path.stem for path in claiming] == ["smollm2-135m-mtp-long"]
+    for path in claiming:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        assert listed_defaults(raw, load_recipe(path), Recipe(name=path.stem), "") == [], path.name
+
 def test_the_recipes_table_of_the_docs_lists_every_recipe_as_it_is() -> None:
     """docs/recipes.md has a row per shipped recipe whose target and head kind are the recipe's."""
     rows = [line for line in (REPO_ROOT / "docs" / "recipes.md").read_text(encoding="utf-8").splitlines()
