@@ -51,7 +51,8 @@ class TargetSection(_Section):
     path: str = Field(
         "data/models/smollm2-135m-instruct", description="HF model directory (config + weights + tokenizer)"
     )
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the target runs: auto = cuda when a GPU is visible, else cpu")
     tensor_parallel: int = Field(
         1, ge=1, le=64,
         description="ranks one copy of the target is split over (attention heads and MLP columns; runtime/"
@@ -124,7 +125,7 @@ MOVED_KEYS = {
 class DataSource(_Section):
     """One conversation file or dataset directory."""
 
-    path: str
+    path: str = Field(description="a JSON / JSONL file, a parquet file or an HF datasets directory (save_to_disk)")
     format: Literal["auto", "sharegpt", "messages", "mt_bench", "hf"] = Field(
         "auto",
         description="row schema: sharegpt (`conversations`), messages (`messages`), mt_bench (`turns`); "
@@ -142,8 +143,10 @@ class SystemPromptSection(_Section):
     override: replace every conversation's system message with `text`.
     """
 
-    mode: Literal["keep", "drop", "default", "override"] = "keep"
-    text: str | None = None
+    mode: Literal["keep", "drop", "default", "override"] = Field(
+        "keep", description="keep | drop system messages | default: add `text` where a conversation has none | "
+        "override: replace every system message by `text`")
+    text: str | None = Field(None, description="the system message of modes default and override")
 
     @model_validator(mode="after")
     def _text_required_for_modes_that_insert_it(self) -> SystemPromptSection:
@@ -157,7 +160,7 @@ class RegenerateSection(_Section):
 
     enabled: bool = Field(False, description="replace assistant turns by the target's own replies "
                           "(self-distillation)")
-    max_new_tokens: int = Field(512, ge=1)
+    max_new_tokens: int = Field(512, ge=1, description="tokens generated per assistant turn at most")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
     batch_size: int = Field(8, ge=1, description="conversations generated together")
     max_turns: int | None = Field(
@@ -175,10 +178,12 @@ class DataSection(_Section):
         None, description="Jinja file overriding (or supplying) the target tokenizer's chat template"
     )
     max_samples: int | None = Field(None, ge=1, description="stop after this many kept samples (null = all)")
-    max_seq_len: int = Field(1024, ge=2)
-    overlong: Literal["truncate", "drop"] = "truncate"
-    eval_fraction: float = Field(0.02, ge=0.0, lt=1.0)
-    seed: int = 0
+    max_seq_len: int = Field(1024, ge=2, description="tokens per sample at most (the rendered conversation)")
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="a sample longer than max_seq_len: keep its first max_seq_len tokens, or drop it")
+    eval_fraction: float = Field(0.02, ge=0.0, lt=1.0, description="held-out share of the conversations, chosen by "
+                                 "hashing each one's source_id with `seed`")
+    seed: int = Field(0, description="seed of the held-out split and of sampled regeneration")
     system_prompt: SystemPromptSection = Field(default_factory=SystemPromptSection)
     output_dir: str | None = Field(None, description="null = data/prepared/<name>")
     regenerate: RegenerateSection = Field(default_factory=RegenerateSection)
@@ -189,14 +194,16 @@ class VllmEngineSection(_Section):
     key but `python` and `engine_args` is one of `vllm.LLM`'s own arguments, passed as named; null = vLLM's default."""
 
     python: str | None = Field(
-        None, description="the interpreter that imports vllm; null = $MTP_TRAIN_VLLM_PYTHON, else .venv-vllm/bin/python "
-        "(make .venv-vllm/.installed: vLLM's CPU build), else this interpreter when it imports vllm")
+        None, description="the interpreter that imports vllm; null = $MTP_TRAIN_VLLM_PYTHON, else "
+        ".venv-vllm/bin/python (make .venv-vllm/.installed: vLLM's CPU build), else this interpreter when it imports "
+        "vllm")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs the target's layers are split over")
     pipeline_parallel_size: int = Field(1, ge=1, description="stages the target's layers are cut into")
     quantization: str | None = Field(None, description="vLLM's quantization method (fp8, awq, gptq, ...); null = "
                                      "what the checkpoint's config says")
     kv_cache_dtype: str = Field("auto", description="vLLM's K/V cache dtype (auto = the compute dtype, fp8, ...)")
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="share of each GPU's memory vLLM "
+                                                 "may take")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens per engine step")
     max_model_len: int | None = Field(None, ge=2, description="null = the longest prepared sample + 1")
     enforce_eager: bool = Field(False, description="no CUDA graphs / torch.compile (faster start, slower steps)")
@@ -215,7 +222,8 @@ class PrecomputeSection(_Section):
         "engine and numerics the head is served with")
     vllm: VllmEngineSection = Field(default_factory=VllmEngineSection)
     tokens_per_batch: int = Field(8192, ge=1, description="tokens per target forward")
-    samples_per_shard: int = Field(512, ge=1)
+    samples_per_shard: int = Field(512, ge=1, description="samples per feature shard file (a rank buffers one "
+                                   "shard in host memory until it is written)")
     target_argmax: bool = Field(
         True, description="also store the target's argmax token per position (one lm_head pass; heads with a reduced "
         "draft vocabulary then train without full-vocabulary logits)"
@@ -239,7 +247,7 @@ class HeadSection(_Section):
     kind: Literal["mtp", "eagle1", "eagle3"] = Field(
         HEAD_DEFAULTS["kind"], description="mtp = restored norms; eagle1 = the EAGLE-1 ablation; eagle3 = EAGLE-3 "
         "(reads the target layers precompute.aux_layers)")
-    num_layers: int = Field(HEAD_DEFAULTS["num_layers"], ge=1)
+    num_layers: int = Field(HEAD_DEFAULTS["num_layers"], ge=1, description="decoder layers of the head")
     init: Literal["random", "last_layer", "from_checkpoint"] = Field(
         HEAD_DEFAULTS["init"], description="decoder layer init (random measured better than last_layer); "
         "from_checkpoint: the MTP module a DeepSeek-V3/R1 checkpoint ships (model.layers.{num_hidden_layers})")
@@ -284,21 +292,26 @@ class TrainSection(_Section):
     deepspeed_config: str | None = Field(
         None, description="DeepSpeed JSON merged under the settings below; null = generated from them"
     )
-    zero_stage: int = Field(1, ge=0, le=3)
+    zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage; equal to zero_optimization.stage of "
+                            "deepspeed_config when one is given")
     micro_batch_tokens: int = Field(4096, ge=1, description="tokens per micro batch per rank")
-    grad_accum: int = Field(1, ge=1)
-    lr: float = Field(5e-4, gt=0.0)
+    grad_accum: int = Field(1, ge=1, description="micro batches per optimizer step")
+    lr: float = Field(5e-4, gt=0.0, description="peak learning rate (AdamW)")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr = lr * min_lr_ratio")
-    warmup_steps: int = Field(50, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(50, ge=0, description="optimizer steps of linear warmup")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="learning-rate decay after the warmup, to lr * min_lr_ratio")
     max_steps: int | None = Field(None, ge=1, description="null = run `epochs` epochs")
-    epochs: int = Field(2, ge=1)
-    weight_decay: float = Field(0.0, ge=0.0)
+    epochs: int = Field(2, ge=1, description="passes over the training split (when max_steps is null)")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay (one parameter group: norms "
+                                "included)")
     clip: float = Field(1.0, ge=0.0, description="gradient-norm clip; 0 = off")
     unroll_steps: int = Field(2, ge=1, description="step k>1 feeds the head its own output")
     step_weight_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of step k = decay**(k-1)")
-    feature_loss_weight: float = Field(0.1, ge=0.0)
-    kl_loss_weight: float = Field(1.0, ge=0.0)
+    feature_loss_weight: float = Field(0.1, ge=0.0, description="weight of the hidden-state regression loss "
+                                       "(smooth-L1 to the target's next hidden state)")
+    kl_loss_weight: float = Field(1.0, ge=0.0, description="weight of the KL to the target's next-token "
+                                  "distribution")
     loss_rows: Literal["assistant", "all"] = Field(
         "assistant", description="rows the losses count: those predicting an assistant token, or all (user and system "
         "turns too: more supervision from the same cached features; validation counts assistant rows either way)"
@@ -307,7 +320,7 @@ class TrainSection(_Section):
     eval_every: int = Field(200, ge=1, description="optimizer steps")
     save_every: int = Field(500, ge=1, description="optimizer steps")
     keep_last: int = Field(2, ge=1, description="checkpoints kept")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the head's initialization and the sample order")
 
 
 MAX_EVAL_BATCH = 256
@@ -352,12 +365,14 @@ class EvalSection(_Section):
 class WandbSection(_Section):
     """Weights & Biases run settings (metrics are always also written locally to metrics.jsonl)."""
 
-    project: str = "mtp-train"
-    entity: str | None = None
+    project: str = Field("mtp-train", description="W&B project")
+    entity: str | None = Field(None, description="W&B team or user; null = your default entity")
     run_name: str | None = Field(None, description="null = the recipe name")
-    group: str | None = None
-    tags: list[str] = Field(default_factory=list)
-    mode: Literal["online", "offline", "disabled"] = "offline"
+    group: str | None = Field(None, description="W&B run group (runs of one target side by side)")
+    tags: list[str] = Field(default_factory=list, description="W&B run tags")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "offline", description="online (offline when no API key is configured) | offline (sync later with "
+        "`wandb sync`) | disabled")
 
 
 class TrackingSection(_Section):
@@ -380,7 +395,7 @@ class DistributedSection(_Section):
 class Recipe(_Section):
     """A whole recipe. Derived defaults (output directories, W&B run name) are filled in from `name`."""
 
-    name: str
+    name: str = Field(description="names the output directories and the W&B run; default: the YAML file's stem")
     target: TargetSection = Field(default_factory=TargetSection)
     precision: PrecisionSection = Field(default_factory=PrecisionSection)
     data: DataSection = Field(default_factory=DataSection)

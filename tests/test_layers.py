@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
     "runtime": 1, "vllm_engine": 1,
     "heads": 2,
     "profile": 3,
-    "recipe": 4, "data": 4, "features": 4, "assets": 4, "cli_options": 4,
+    "recipe": 4, "recipe_reference": 4, "data": 4, "features": 4, "assets": 4, "cli_options": 4,
     "train": 5,
     "evaluate": 6,
     "export": 7,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -241,3 +243,159 @@ def test_launch_script_builds_the_torchrun_command() -> None:
 def test_launch_script_rejects_bad_input(args: tuple, env: dict, message: str) -> None:
     result = _launch("--dry-run", *args, **env)
     assert result.returncode == 2 and message in result.stderr
+
+
+# --- what the recipes' comments promise: files that exist or a named command that makes them -----------------------
+
+def _comments(path: Path) -> list[str]:
+    """The text of every comment line of a recipe (`#` and what follows it, stripped)."""
+    return [line.split("#", 1)[1].strip() for line in path.read_text(encoding="utf-8").splitlines() if "#" in line]
+
+
+def _header(path: Path) -> str:
+    """The comment block at the top of a recipe, before its first key."""
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    return "\n".join(lines)
+
+
+def _fetched_assets() -> dict[str, str]:
+    """Path (relative to the repository root) of each asset `mtp-train fetch-assets` makes → the option that makes
+    it; the whole directory of each is replaced when it is (re)built."""
+    from mtp_train.assets import catalogue
+
+    made = {f"data/models/{name}": f"--model {name}" for name in catalogue.MODELS}
+    made.update({f"data/datasets/{name}/{spec.filename}": f"--dataset {name}"
+                 for name, spec in catalogue.DATASETS.items()})
+    return made
+
+
+def _named_paths(recipe) -> dict[str, str]:
+    """The recipe keys that name a file or directory to read, with their values. eval.prompts is left to the eval
+    prompt sets' own tests (it may name a prompt set shipped with the package)."""
+    paths = {"target.path": recipe.target.path, "data.chat_template": recipe.data.chat_template,
+             "train.deepspeed_config": recipe.train.deepspeed_config}
+    paths.update({f"data.sources[{i}].path": source.path for i, source in enumerate(recipe.data.sources)})
+    return {key: value for key, value in paths.items() if value is not None}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_every_file_a_recipe_reads_is_shipped_or_made_by_a_command_it_names(path: Path) -> None:
+    """A path outside data/ is a file of the repository; a path under data/ (not part of the repository) is made by
+    `mtp-train fetch-assets` with the option the recipe's comments name, or the recipe's header names it beside the
+    command that makes it (`hf download ... --local-dir`, `save_to_disk(...)`, a conversion) or says it is the user's
+    own. A download never lands inside a fetched asset's directory, which fetch-assets replaces whole."""
+    from mtp_train.assets.catalogue import DEFAULT_MODEL
+
+    recipe = load_recipe(path)
+    comments = "\n".join(_comments(path))
+    header = _header(path)
+    fetched = _fetched_assets()
+    for key, value in _named_paths(recipe).items():
+        if not value.startswith("data/"):
+            assert (REPO_ROOT / value).is_file(), f"{path.name}: {key}={value} is not a file of the repository"
+        elif value in fetched:
+            option = fetched[value]
+            plain = value == f"data/models/{DEFAULT_MODEL}" and "`mtp-train fetch-assets`" in comments
+            assert plain or ("fetch-assets" in comments and option in comments), (
+                f"{path.name}: {key}={value} is made by `mtp-train fetch-assets {option}`; the recipe must say so")
+        else:
+            downloaded_into = re.findall(r"--local-dir (\S+)", header)
+            assert value in header or any(value == d or value.startswith(d + "/") for d in downloaded_into), (
+                f"{path.name}: {key}={value}: the recipe's header must say where it comes from")
+            assert any(marker in header for marker in ("hf download", "save_to_disk", "is yours", "yours to make")), (
+                f"{path.name}: {key}={value}: the header names no command that makes it")
+            for asset in fetched:
+                directory = asset if asset.startswith("data/models/") else asset.rsplit("/", 1)[0]
+                assert not value.startswith(directory + "/"), (
+                    f"{path.name}: {key}={value} lies in {directory}/, which fetch-assets replaces whole")
+
+
+def _quoted_commands(path: Path) -> list[list[str]]:
+    """The `mtp-train ...` commands (also `torchrun ... -m mtp_train ...`) a recipe's comments quote on lines of their
+    own, continuation lines joined, as the argument lists after `mtp-train`; a command shown elided (`...`) is left
+    out."""
+    pattern = re.compile(r"^(?:Run:\s+)?(?:[A-Z_]+=\S+\s+)*(?:mtp-train|torchrun\s.*?-m mtp_train)\s+(.*)$")
+    commands, pending = [], ""
+    for text in _comments(path):
+        if pending:
+            text, pending = pending + " " + text, ""
+        elif not pattern.match(text):
+            continue
+        if text.endswith("\\"):
+            pending = text[:-1].strip()
+            continue
+        body = pattern.match(text).group(1).split(" # ")[0]
+        if "..." not in body and " / " not in body:
+            commands.append(shlex.split(body))
+    return commands
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_commands_quoted_in_a_recipe_parse_and_name_that_recipe(path: Path) -> None:
+    from mtp_train.cli import build_parser
+
+    parser = build_parser()
+    commands = _quoted_commands(path)
+    assert commands or path.stem == "smollm2-135m-mtp"  # the default recipe's header quotes none; the others do
+    for argv in commands:
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{path.name}: `mtp-train {' '.join(argv)}` does not parse")
+        recipe = getattr(args, "recipe", None)
+        if "--recipe" in argv:
+            assert recipe == f"recipes/{path.name}", f"{path.name}: `mtp-train {' '.join(argv)}` names another recipe"
+
+
+def test_the_eagle3_demo_recipe_names_every_key_it_changes_from_the_default() -> None:
+    """Its header lists what differs from the default recipe; the keys derived from `name` aside."""
+    from mtp_train.recipe import flatten_recipe, recipe_to_dict
+
+    default = flatten_recipe(recipe_to_dict(load_recipe(REPO_ROOT / "recipes" / "smollm2-135m-mtp.yaml")))
+    path = REPO_ROOT / "recipes" / "smollm2-135m-eagle3.yaml"
+    eagle3 = flatten_recipe(recipe_to_dict(load_recipe(path)))
+    derived = {"name", "data.output_dir", "precompute.output_dir", "train.run_dir", "tracking.wandb.run_name"}
+    changed = sorted(key for key in default.keys() - derived if default[key] != eagle3[key])
+    assert changed == ["head.kind", "precompute.aux_layers", "train.epochs", "train.loss_rows",
+                       "train.micro_batch_tokens", "train.unroll_steps"]
+    header = _header(path)
+    assert [key for key in changed if key not in header and f"`{key.split('.')[-1]}" not in header] == []
+
+
+
+def test_a_recipe_that_lists_only_its_changes_lists_no_default() -> None:
+    """A recipe whose header says it lists only the keys that differ from the schema defaults does."""
+    import yaml
+
+    from mtp_train.recipe import Recipe
+
+    def listed_defaults(node: dict, value, default, prefix: str) -> list[str]:
+        found = []
+        for key, sub in node.items():
+            if isinstance(sub, dict):
+                found += listed_defaults(sub, getattr(value, key), getattr(default, key), f"{prefix}{key}.")
+            elif getattr(value, key) == getattr(default, key):
+                found.append(f"{prefix}{key}")
+        return found
+
+    claiming = [path for path in RECIPES
+                if "Only the keys that differ from the schema defaults are listed" in _header(path)]
+    assert [path.stem for path in claiming] == ["smollm2-135m-mtp-long"]
+    for path in claiming:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        assert listed_defaults(raw, load_recipe(path), Recipe(name=path.stem), "") == [], path.name
+
+def test_the_recipes_table_of_the_docs_lists_every_recipe_as_it_is() -> None:
+    """docs/recipes.md has a row per shipped recipe whose target and head kind are the recipe's."""
+    rows = [line for line in (REPO_ROOT / "docs" / "recipes.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| [")]
+    by_name = {row.split("](../recipes/", 1)[1].split(".yaml)", 1)[0]: row.split(" | ") for row in rows}
+    assert sorted(by_name) == sorted(path.stem for path in RECIPES)
+    for name, cells in by_name.items():
+        recipe = load_recipe(REPO_ROOT / "recipes" / f"{name}.yaml")
+        assert cells[1] == f"`{recipe.target.path}`", name
+        assert cells[2] == recipe.head.kind, name
