@@ -2,8 +2,8 @@
 `tests/...` path written in it (relative to the repository root), and every relative Markdown link (relative to the
 document's folder). A doc that names a file which was renamed or removed misleads the reader who follows it.
 
-`missing_paths` works on any Markdown file; the test asserts on the documents listed in `CHECKED`, the ones known to
-pass. A document joins the list once `missing_paths` finds nothing in it.
+The test checks every page under docs/ and the README. A file the user writes themselves is named without a
+repository folder in front (`my-70b.yaml`, not `recipes/my-70b.yaml`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 DOCS_DIR = REPO / "docs"
 
-# The documents whose paths must all exist (file names under docs/). Not yet listed: export.md (names a file of
-# SGLang's repository, `docs/advanced_features/...`, in its sources) and vllm-backend.md (names a user's own recipe,
-# `recipes/my-70b.yaml`, in an example command).
-CHECKED = ("design.md", "faults.md", "scaling.md", "tuning.md")
+# The documents whose paths must all exist: every page under docs/ and the README (relative to docs/).
+CHECKED = tuple(sorted(path.name for path in DOCS_DIR.glob("*.md"))) + ("../README.md",)
 
 # A repository path: one of the checked top-level folders, not preceded by a character that would make it the tail of
 # another path (`../other/docs/x`, `vllm/tests/x`, a URL) or of a word.
