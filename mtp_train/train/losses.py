@@ -1,6 +1,6 @@
 """Training losses of a draft head: feature regression and logit distillation, over a k-step unroll.
 
-Notation (DESIGN.md): H_i is the target's final hidden state (after its final norm) at position i. The head's row
+Notation (docs/design.md): H_i is the target's final hidden state (after its final norm) at position i. The head's row
 reading (H_i, t_{i+1}) is trained to produce H_{i+1} (feature loss: smooth-L1) and the target's next-token
 distribution p = softmax(lm_head(H_{i+1})) (KL(p || q) with q = softmax(lm_head(out))). Both distributions are
 recomputed from hidden states with the target's frozen lm_head.

@@ -1,6 +1,6 @@
 """The MTP chain proposer (vLLM: eagle.py): a draft head (`forward(token_ids, hidden, batch, kv_cache)`,
 `logits(out)`, `new_kv_cache(allocator)`, e.g. `mtp_train.heads.DraftHead`) whose row at position i reads
-`(H_i, t_{i+1})` (DESIGN.md). An EAGLE-3 head (heads/eagle3.py, `aux_layers`) reads the target's aux layer states
+`(H_i, t_{i+1})` (docs/design.md). An EAGLE-3 head (heads/eagle3.py, `aux_layers`) reads the target's aux layer states
 [3d] instead of H_i in its catch-up rows and fuses them itself; its draft steps read its own (pre-norm) outputs, as
 vLLM's EAGLE-3 proposer feeds them back.
 
