@@ -28,13 +28,14 @@ def test_every_command_module_is_registered():
 
 
 @pytest.mark.parametrize("name", sorted(_subcommands()))
-def test_help_and_readme_section(name, capsys):
+def test_help_and_reference_section(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([name, "--help"])
     assert exit_info.value.code == 0
     assert f"usage: mtp-train {name}" in capsys.readouterr().out
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert re.search(rf"^### .*`mtp-train {re.escape(name)}\b", readme, re.MULTILINE), f"README: no section for {name}"
+    reference = (REPO / "docs" / "commands.md").read_text(encoding="utf-8")
+    assert re.search(rf"^## .*`mtp-train {re.escape(name)}\b", reference, re.MULTILINE), (
+        f"docs/commands.md: no section for {name}")
 
 
 def test_export_and_inspect_parse():
