@@ -144,8 +144,18 @@ def test_gpu_quick_start_commands_parse(tmp_path):
         assert getattr(args, "recipe", str(recipe)) == str(recipe)
 
 
+# Set by torchrun, or by an earlier test's in-process trainer (whose store may still hold MASTER_PORT): a user's shell
+# that runs the README's commands has none of them.
+_LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                       "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
+
+
 def _run(argv: list[str], timeout: int, **kwargs) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    """A README command as a user's shell runs it: from the repository root, the virtualenv's scripts on PATH, no
+    launcher variables inherited from the test process."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in _LAUNCHER_VARIABLES and not name.startswith("TORCHELASTIC_")}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
