@@ -184,7 +184,8 @@ def measure(name: str, mode: str, workdir: Path, overrides: list[str]) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated, of {', '.join(MODELS)} (default: each of them that is fetched)")
     parser.add_argument("--workdir", default=str(REPO / "data" / "bench" / "train_memory"))
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per training run")
     parser.add_argument("--conversations", type=int, default=48, help="synthetic conversations per model")
@@ -201,13 +202,16 @@ def main() -> None:
         return
     if args.quick:
         args.steps, args.conversations = 1, 24
-    names = [n for n in args.models.split(",") if n]
+    names = [n for n in (args.models or ",".join(MODELS)).split(",") if n]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         sys.exit(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
     missing = [n for n in names if not (REPO / MODELS[n][1] / "config.json").is_file()]
-    if missing:
+    if missing and args.models is not None:  # named on the command line: measure them or fail
         sys.exit(f"not fetched: {', '.join(missing)} (mtp-train fetch-assets --model ...)")
+    for name in missing:
+        print(f"{name}: skipped, not fetched (mtp-train fetch-assets --model {MODELS[name][1].rsplit('/', 1)[1]})")
+    names = [n for n in names if n not in missing]
     fields: list[str] = []
     for name in names:
         workdir = Path(args.workdir) / name
@@ -232,7 +236,8 @@ def main() -> None:
     from mtp_train.runtime.hardware import machine_fields
 
     machine = machine_fields("per_model").replace(" compute_dtype=per_model", "")
-    print(f"RESULT {' '.join(fields)} steps={args.steps} {machine}")
+    skipped = f" skipped={','.join(missing)}" if missing else ""
+    print(f"RESULT {' '.join(fields)} steps={args.steps}{skipped} {machine}")
 
 
 if __name__ == "__main__":
