@@ -69,6 +69,7 @@ def _status_mb(field: str) -> float:
 def child(args) -> None:
     import mtp_train.runtime.frozen_parts as frozen_parts
     from mtp_train.recipe import load_recipe
+    import mtp_train.train.trainer as trainer_module
     from mtp_train.train.trainer import run_training
 
     recipe = load_recipe(Path(args.recipe), args.set)
@@ -102,7 +103,7 @@ def child(args) -> None:
         measured["target_mb"] = sum(t.numel() * t.element_size() for t in unique) / 2**20
         return parts
 
-    frozen_parts.load_frozen_parts = measured_load  # the trainer imports it from the module at set-up
+    trainer_module.load_frozen_parts = measured_load  # the name the trainer calls at set-up
     started = time.perf_counter()
     run_training(recipe, resume="never", show_progress=False)
     measured["run_s"] = time.perf_counter() - started
