@@ -9,7 +9,8 @@ Ends with a `RESULT` line.
     python scripts/bench_draft_vocab.py --quick          # full and 8k, 8 steps each, 2 prompts
 
 Heads are trained by `mtp-train train` (subprocess, `--nproc` ranks under torchrun) into `<out>/<size>/`; pass
-`--reuse` to evaluate heads already there. The recipe's features must exist (`mtp-train precompute`)."""
+`--reuse` to evaluate heads already there. Without the recipe's features (`mtp-train precompute`), it prepares and
+precomputes a small set of its own under `--out` first."""
 
 from __future__ import annotations
 
@@ -71,6 +72,17 @@ def main() -> None:
 
     tune_malloc()
     recipe = load_recipe(args.recipe, args.overrides)
+    if not (recipe.features_dir / "manifest.json").is_file():
+        # No features yet (a fresh clone before `make demo`): prepare and precompute a small set of the bench's own
+        # under --out, leaving the recipe's own output folders to the pipeline.
+        args.overrides = [*args.overrides, f"data.output_dir={args.out / 'prepared'}",
+                          f"precompute.output_dir={args.out / 'features'}",
+                          f"data.max_samples={80 if args.quick else 300}"]
+        print(f"{recipe.features_dir}: no features; preparing {args.out / 'features'} for this bench", flush=True)
+        sets = [a for o in args.overrides for a in ("--set", o)]
+        for stage in ("prepare", "precompute"):
+            subprocess.run([sys.executable, "-m", "mtp_train", stage, "--recipe", args.recipe, *sets], check=True)
+        recipe = load_recipe(args.recipe, args.overrides)
     for size in args.sizes:
         run_dir = args.out / size
         if not (args.reuse and (run_dir / "head" / "model.safetensors").is_file()):
