@@ -260,28 +260,41 @@ def rejection_sample_trees(
         if q.shape != (len(tree_parents), vocab):
             raise ValueError(f"tree {b}: expected draft_probs of shape [{len(tree_parents)}, {vocab}], "
                              f"got {tuple(q.shape)}")
-    p = target_probs.float().clone()  # [T, vocab]: each row's p, replaced by the residual as its children fail
+    target_probs = target_probs.float()
     accepted_child = torch.full((none,), none, dtype=torch.long, device=device)  # [T]
-    if layout.parent_rows:
-        q = torch.cat(draft_probs).float()  # [P, vocab], pair order = row order
-        parent_rows = to_device(layout.parent_rows, torch.long, device)  # [P]
-        child_rows = to_device(layout.child_rows, torch.long, device)  # [P]
-        for pairs in layout.pairs_by_rank:
-            pair = to_device(pairs, torch.long, device)  # [m]: the rank's pairs, one per parent
-            rows, children = parent_rows[pair], child_rows[pair]
-            tokens = input_ids[children].long()[:, None]  # [m, 1]
-            p_rows, q_rows = p[rows], q[pair]  # [m, vocab]
-            undecided = accepted_child[rows] == none  # [m]: no earlier sibling accepted
-            uniforms = torch.rand(len(pairs), generator=generator, device=device)
-            # u < p/q without dividing: q = 0 accepts iff p > 0; p = 0 never accepts (strict inequality).
-            accepted = undecided & (uniforms * q_rows.gather(1, tokens)[:, 0] < p_rows.gather(1, tokens)[:, 0])
-            accepted_child[rows] = torch.where(accepted, children, accepted_child[rows])
-            residual = (p_rows - q_rows).clamp_(min=0)
-            mass = residual.sum(-1, keepdim=True)  # [m, 1]
-            replace = (undecided & ~accepted)[:, None] & (mass > _RESIDUAL_EPS)  # below: p == q up to rounding
-            p[rows] = torch.where(replace, residual / mass.clamp(min=_RESIDUAL_EPS), p_rows)
+    if not layout.parent_rows:  # no drafts: every tree's next token comes from its root's p
+        return layout.verdicts(accepted_child, input_ids,
+                               lambda last: torch.multinomial(target_probs[last], 1, generator=generator)[:, 0])
+    # Only rows with children have their p replaced by residuals: they get a working copy (a leaf's p stays the
+    # target's), row r at slot[r] (-1 for a leaf).
+    tested_rows = sorted(set(layout.parent_rows))
+    slot = [-1] * none
+    for i, row in enumerate(tested_rows):
+        slot[row] = i
+    p = target_probs[to_device(tested_rows, torch.long, device)]  # [U, vocab]
+    slot_of_row = to_device(slot, torch.long, device)  # [T]
+    q = torch.cat(draft_probs).float()  # [P, vocab], pair order = row order
+    parent_rows = to_device(layout.parent_rows, torch.long, device)  # [P]
+    child_rows = to_device(layout.child_rows, torch.long, device)  # [P]
+    for pairs in layout.pairs_by_rank:
+        pair = to_device(pairs, torch.long, device)  # [m]: the rank's pairs, one per parent
+        rows, children = parent_rows[pair], child_rows[pair]
+        slots = slot_of_row[rows]
+        tokens = input_ids[children].long()[:, None]  # [m, 1]
+        p_rows, q_rows = p[slots], q[pair]  # [m, vocab]
+        undecided = accepted_child[rows] == none  # [m]: no earlier sibling accepted
+        uniforms = torch.rand(len(pairs), generator=generator, device=device)
+        # u < p/q without dividing: q = 0 accepts iff p > 0; p = 0 never accepts (strict inequality).
+        accepted = undecided & (uniforms * q_rows.gather(1, tokens)[:, 0] < p_rows.gather(1, tokens)[:, 0])
+        accepted_child[rows] = torch.where(accepted, children, accepted_child[rows])
+        residual = (p_rows - q_rows).clamp_(min=0)
+        mass = residual.sum(-1, keepdim=True)  # [m, 1]
+        replace = (undecided & ~accepted)[:, None] & (mass > _RESIDUAL_EPS)  # below: p == q up to rounding
+        p[slots] = torch.where(replace, residual / mass.clamp(min=_RESIDUAL_EPS), p_rows)
 
     def next_token(last: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(p[last], 1, generator=generator)[:, 0]  # [B]
+        last_slot = slot_of_row[last]  # [B]
+        probs = torch.where((last_slot >= 0)[:, None], p[last_slot.clamp(min=0)], target_probs[last])
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]
 
     return layout.verdicts(accepted_child, input_ids, next_token)
