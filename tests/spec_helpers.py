@@ -10,7 +10,7 @@ import torch
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.generate import generate
 from mtp_train.runtime.kv_cache import PageAllocator
-from mtp_train.runtime.sampler import SamplingParams, processed_probs
+from mtp_train.runtime.sampler import SamplingParams, penalize_repeats, processed_probs, seen_tokens
 from mtp_train.runtime.spec import speculative_generate
 
 VOCAB = 96
@@ -18,6 +18,7 @@ PROMPT_LENGTHS = (5, 11, 3, 18)  # batch 4 with different prompt lengths; batch 
 
 SMALL_VOCAB = 8
 LOSSLESS_PROMPT = [0, 5, 3, 6, 2]
+PENALTY_PROMPT = [0, 0, 0, 0, 0]  # one id: a repetition penalty's seen set grows with each new token
 LOSSLESS_SAMPLES = 2000
 
 
@@ -56,15 +57,22 @@ def run_and_compare(target, draft, prompts, max_new_tokens, k, page_size=4, **kw
 
 
 def exact_first_three_tokens(target, prompt: list[int], sampling: SamplingParams) -> torch.Tensor:
-    """[V, V, V]: the exact joint probability of the first three tokens under plain sampling with `sampling`, from
-    one cache-free forward over every continuation prompt + [a, b]."""
+    """[V, V, V]: the exact joint probability of the first three tokens under plain sampling with `sampling` (its
+    repetition penalty included), from one cache-free forward over every continuation prompt + [a, b]."""
     vocab, n = target.config.vocab_size, len(prompt)
     sequences = [prompt + [a, b] for a in range(vocab) for b in range(vocab)]
     logits = target(torch.tensor(sum(sequences, [])), BatchInfo.without_cache([n + 2] * len(sequences))).logits
     logits = logits.view(vocab, vocab, n + 2, vocab)
-    first = processed_probs(logits[0, 0, n - 1][None], sampling)[0]  # [V]: t1
-    second = processed_probs(logits[:, 0, n], sampling)  # [V (t1), V]: t2 | t1
-    third = processed_probs(logits[:, :, n + 1].reshape(vocab * vocab, vocab), sampling).view(vocab, vocab, vocab)
+    # the repetition penalty's seen sets: the prompt, then prompt + [a], then prompt + [a, b]
+    seen = seen_tokens(sequences, vocab, "cpu").view(vocab, vocab, vocab)  # [a, b, token]
+    seen_first = seen_tokens([prompt], vocab, "cpu")  # [1, V]
+    seen_second = seen_tokens([prompt + [a] for a in range(vocab)], vocab, "cpu")  # [V (t1), V]
+    penalty = sampling.repetition_penalty
+    first = processed_probs(penalize_repeats(logits[0, 0, n - 1][None], seen_first, penalty), sampling)[0]  # [V]: t1
+    second = processed_probs(penalize_repeats(logits[:, 0, n], seen_second, penalty), sampling)  # [V (t1), V]: t2 | t1
+    third = processed_probs(penalize_repeats(logits[:, :, n + 1].reshape(vocab * vocab, vocab),
+                                             seen.reshape(vocab * vocab, vocab), penalty),
+                            sampling).view(vocab, vocab, vocab)
     return first[:, None, None] * second[:, :, None] * third
 
 

@@ -30,6 +30,7 @@ from tests.sampling_stats import P_VALUE_THRESHOLD, chi2_p_value
 from tests.spec_helpers import (
     LOSSLESS_PROMPT,
     LOSSLESS_SAMPLES,
+    PENALTY_PROMPT,
     SMALL_VOCAB,
     exact_first_three_tokens,
     make_prompts,
@@ -221,6 +222,8 @@ def test_the_default_allocator_is_enough(models):
         ("target_draft", 1, SamplingParams(temperature=1.0, top_k=5), LOSSLESS_SAMPLES),
         ("prompt_lookup", 2, SamplingParams(temperature=1.0), LOSSLESS_SAMPLES),
         ("mtp_chain", 2, SamplingParams(temperature=1.0), 4),
+        ("mtp_chain", 2, SamplingParams(temperature=1.0, repetition_penalty=2.0), LOSSLESS_SAMPLES),
+        ("target_draft", 2, SamplingParams(temperature=1.0, repetition_penalty=1.5), LOSSLESS_SAMPLES),
     ],
 )
 def test_speculative_sampling_is_lossless_chi2(small_vocab_target, schedule, k, sampling, batch_size):
@@ -241,15 +244,18 @@ def test_speculative_sampling_is_lossless_chi2(small_vocab_target, schedule, k, 
             draft.lm_head.weight.mul_(15)
             for param in draft.parameters():
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    # With a repetition penalty, a prompt of few distinct ids, so that the drafts on a verify row's path change what
+    # that row has seen (a row penalized for its sequence's tokens alone fails here: p 1e-44 and 7e-25).
+    prompt = PENALTY_PROMPT if sampling.penalizes else LOSSLESS_PROMPT
     if batch_size == LOSSLESS_SAMPLES:
         results, stats = speculative_generate(
-            target, draft, [LOSSLESS_PROMPT] * LOSSLESS_SAMPLES, 4, k, sampling, seed=11, page_size=4
+            target, draft, [prompt] * LOSSLESS_SAMPLES, 4, k, sampling, seed=11, page_size=4
         )
     else:  # serving-size batches, each call with its own seed
         results, stats = [], SpecStats(schedule, k)
         for call in range(LOSSLESS_SAMPLES // batch_size):
             batch_results, batch_stats = speculative_generate(
-                target, draft, [LOSSLESS_PROMPT] * batch_size, 4, k, sampling, seed=1000 + call, page_size=4
+                target, draft, [prompt] * batch_size, 4, k, sampling, seed=1000 + call, page_size=4
             )
             results += batch_results
             stats.add(batch_stats)
@@ -257,7 +263,7 @@ def test_speculative_sampling_is_lossless_chi2(small_vocab_target, schedule, k, 
     tokens = torch.tensor([r.token_ids[:3] for r in results])  # [N, 3]
     cells = (tokens[:, 0] * SMALL_VOCAB + tokens[:, 1]) * SMALL_VOCAB + tokens[:, 2]
     counts = torch.bincount(cells, minlength=SMALL_VOCAB**3)
-    expected = exact_first_three_tokens(target, LOSSLESS_PROMPT, sampling).flatten()
+    expected = exact_first_three_tokens(target, prompt, sampling).flatten()
     assert chi2_p_value(counts, expected) > P_VALUE_THRESHOLD
 
 

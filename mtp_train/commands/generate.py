@@ -42,6 +42,10 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+                   help="divide the logits of tokens the prompt or reply already holds by P (> 1 discourages "
+                        "repeats, as transformers' and vLLM's repetition_penalty; 1 = off, the default, so greedy "
+                        "output stays the model's own). Speculative decoding gives the same output with it")
     p.add_argument("--seed", type=int, default=0)
     add_recipe_options(p, PRECISION_OPTIONS + RUNTIME_OPTIONS)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
@@ -79,9 +83,13 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise UserError("--system is empty: give the system message, or leave --system out for none")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    for option, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
+    for option, value in (("--temperature", args.temperature), ("--top-p", args.top_p),
+                          ("--repetition-penalty", args.repetition_penalty)):
         if not math.isfinite(value):
             raise UserError(f"{option} must be a finite number, got {value}")
+    if args.repetition_penalty <= 0:
+        raise UserError(f"--repetition-penalty must be > 0 (1 = off; 1.1-1.3 against loops), got "
+                        f"{args.repetition_penalty}")
     if not -(2**63) <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
         raise UserError(f"--seed must be in -2**63 .. 2**64-1, got {args.seed}")
     if (args.head or args.draft) and not 1 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -137,7 +145,7 @@ def run_generate(args: argparse.Namespace) -> int:
     options = defaults_from_args(args)
     section = options.precision
     try:
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     except ValueError as err:
         raise UserError(str(err)) from None
     target = args.target or _default_target()

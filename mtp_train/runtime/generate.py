@@ -12,7 +12,7 @@ from mtp_train.errors import UserError
 from mtp_train.runtime.attention import BatchInfo
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.model import CausalLM
-from mtp_train.runtime.sampler import SamplingParams, sample
+from mtp_train.runtime.sampler import SamplingParams, penalize_repeats, sample, seen_tokens
 
 
 @dataclass
@@ -122,9 +122,19 @@ def generate(
     outputs = Outputs(len(prompts), max_new_tokens, stop_token_ids, on_tokens)
     stats = GenerationStats()
 
+    # the repetition penalty's memory: [B, vocab] the ids each sequence holds (prompt and output)
+    seen = seen_tokens(prompts, model.config.vocab_size, device) if sampling.penalizes else None
+
+    def next_tokens(seq_indices: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if seen is not None:
+            logits = penalize_repeats(logits, seen[seq_indices], sampling.repetition_penalty)
+        return sample(logits, sampling, generator)
+
     def commit(seq_indices: list[int], next_ids: torch.Tensor) -> list[int]:
         """Record one sampled token per sequence; return those still running."""
         running = []
+        if seen is not None:
+            seen[seq_indices, next_ids] = True
         for i, token in zip(seq_indices, next_ids.tolist()):
             outputs.commit(i, [token])
             if outputs.finished(i):
@@ -139,7 +149,7 @@ def generate(
         input_ids = torch.tensor([t for p in prompts for t in p], device=device)
         logits = model(input_ids, batch, kv_cache, logits_indices=batch.last_token_indices()).logits
         stats.target_forwards += 1
-        active = commit(list(range(len(prompts))), sample(logits, sampling, generator))
+        active = commit(list(range(len(prompts))), next_tokens(list(range(len(prompts))), logits))
         stats.prefill_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -148,7 +158,7 @@ def generate(
             input_ids = torch.tensor([outputs.token_ids[i][-1] for i in active], device=device)
             logits = model(input_ids, batch, kv_cache).logits
             stats.target_forwards += 1
-            active = commit(active, sample(logits, sampling, generator))
+            active = commit(active, next_tokens(active, logits))
         stats.decode_seconds = time.perf_counter() - start
     finally:
         for seq in sequences:

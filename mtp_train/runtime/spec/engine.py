@@ -31,7 +31,14 @@ from mtp_train.runtime.rejection import (
     rejection_sample_chains,
     rejection_sample_trees,
 )
-from mtp_train.runtime.sampler import SamplingParams, processed_probs, sample
+from mtp_train.runtime.sampler import (
+    SamplingParams,
+    penalize_repeats,
+    processed_probs,
+    sample,
+    seen_tokens,
+    verify_rows_seen,
+)
 from mtp_train.runtime.spec.proposer import (
     DraftProposal,
     Request,
@@ -111,12 +118,16 @@ def speculative_generate(
         pages: list[int] = []  # one block table, shared by the target's view and the proposer's
         requests.append(Request(i, list(prompt), pages, proposer.new_state(i, pages)))
     outputs = Outputs(len(prompts), max_new_tokens, stop_token_ids, on_tokens)
+    # the repetition penalty's memory: [B, vocab] the ids each request holds (prompt and committed output)
+    seen = seen_tokens(prompts, target.config.vocab_size, device) if sampling.penalizes else None
 
     def commit(req: Request, new_tokens: list[int]) -> bool:
         """Commit tokens (cut after a stop token / at max_new_tokens); free the request's pages and return True
         when it finished."""
         new_tokens = outputs.commit(req.index, new_tokens)
         req.token_ids.extend(new_tokens)
+        if seen is not None and new_tokens:
+            seen[req.index, new_tokens] = True
         stats.new_tokens += len(new_tokens)
         done = outputs.finished(req.index)
         if done:
@@ -148,18 +159,25 @@ def speculative_generate(
         stats.target_sequence_forwards += len(active)
         stats.verify_sequence_steps += len(active)
         hidden_per_request = proposer.target_states(out).split(verify_lens)  # [n_b + 1, d (3d)] each
+        target_logits = out.logits  # [sum(n_b + 1), vocab]
+        if seen is not None:  # each row penalized for its sequence's tokens and the drafts on its path
+            visible = [mask if mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+                       for mask, n in zip(masks, verify_lens)]
+            target_logits = penalize_repeats(target_logits, verify_rows_seen(seen[[r.index for r in active]],
+                                                                             input_ids, visible),
+                                             sampling.repetition_penalty)
         # every sequence's verdict on the device, read back in one transfer
         if tree and sampling.greedy:
-            verdicts = greedy_accept_trees(input_ids, out.logits.argmax(-1), [p.parents for p in proposals])
+            verdicts = greedy_accept_trees(input_ids, target_logits.argmax(-1), [p.parents for p in proposals])
         elif tree:
             verdicts = rejection_sample_trees(input_ids, [p.draft_probs for p in proposals],
-                                              processed_probs(out.logits, sampling), [p.parents for p in proposals],
+                                              processed_probs(target_logits, sampling), [p.parents for p in proposals],
                                               generator)
         elif sampling.greedy:
-            verdicts = greedy_accept_chains(input_ids, out.logits.argmax(-1), verify_lens)
+            verdicts = greedy_accept_chains(input_ids, target_logits.argmax(-1), verify_lens)
         else:
             verdicts = rejection_sample_chains(input_ids, [p.draft_probs for p in proposals],
-                                               processed_probs(out.logits, sampling), verify_lens, generator)
+                                               processed_probs(target_logits, sampling), verify_lens, generator)
         still_active = []
         for req, proposal, start, verdict, hidden in zip(active, proposals, verify_starts, verdicts,
                                                          hidden_per_request):
@@ -193,7 +211,8 @@ def speculative_generate(
                      aux_layers=proposer.aux_layers)
         stats.target_forwards += 1
         stats.target_sequence_forwards += len(requests)
-        first_tokens = sample(out.logits, sampling, generator).tolist()
+        first_logits = out.logits if seen is None else penalize_repeats(out.logits, seen, sampling.repetition_penalty)
+        first_tokens = sample(first_logits, sampling, generator).tolist()
         hidden_per_request = proposer.target_states(out).split([len(p) for p in prompts])  # [n_b, d (3d)] each
         active = []
         for req, token, hidden in zip(requests, first_tokens, hidden_per_request):
