@@ -34,7 +34,7 @@ DEMO_ARGS ?=
 demo: assets
 	$(BIN)/mtp-train fetch-assets --dataset sharegpt
 	$(BIN)/mtp-train env
-	$(BIN)/mtp-train generate --prompt "What is the capital of France?"
+	$(BIN)/mtp-train generate --prompt "Name the capital city of Japan."
 	$(BIN)/python scripts/demo.py $(DEMO_ARGS)
 
 # pytest exits 5 when it collected no test: that is a failure here (make stops on any non-zero exit). The tests whose

@@ -168,13 +168,47 @@ def test_env_describes_the_machine():
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_generate_answers_the_readme_prompt():
-    (command,) = [c for c in readme_commands(README.read_text(encoding="utf-8")) if " generate " in c]
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.cpu_paths
+def test_generate_answers_the_readme_prompt(smollm2_dir):
+    """The README's `generate` command prints transformers' fp32 greedy answer, which the README quotes, on this
+    CPU's `auto` path (and, rerun by tests/test_cpu_kinds.py, as each other CPU kind). It holds on every CPU by
+    construction: at each step of the answer the top-1/top-2 margin exceeds twice the largest logit error of this
+    CPU's auto path and of a bf16 model (what auto runs on a native-bf16 CPU whose probe picks torch's bf16 matmuls:
+    the largest rounding of the paths auto picks). A prompt closer to a tie fails here, naming the step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mtp_train.evaluate.margins import MarginCheck, decode_logits, reference_answer
+    from mtp_train.runtime.chat import encode_chat, stop_token_ids
+    from mtp_train.runtime.config import load_config
+    from mtp_train.runtime.loader import load_model, load_tokenizer
+    from mtp_train.runtime.precision import resolve_precision
+
+    readme = README.read_text(encoding="utf-8")
+    (command,) = [c for c in readme_commands(readme) if " generate " in c]
     argv = shlex.split(command)
+    tokenizer = load_tokenizer(smollm2_dir)
+    stops = stop_token_ids(tokenizer, load_config(smollm2_dir))
+    prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": argv[argv.index("--prompt") + 1]}])
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    answer_ids, reference = reference_answer(hf, prompt_ids, 256, stops)
+    assert answer_ids[-1] in stops, "the README's prompt should have a short answer"
+    answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
+    assert f'"{answer}"' in " ".join(readme.split()), f"the README should quote the answer: {answer!r}"
+    for name, precision in (("auto", resolve_precision("auto", "auto", "cpu")),
+                            ("bf16 model", resolve_precision("bfloat16", "bfloat16", "cpu"))):
+        check = MarginCheck.of(reference, decode_logits(load_model(smollm2_dir, device="cpu", precision=precision),
+                                                        prompt_ids, answer_ids))
+        assert not check.unsafe_steps(), (
+            f"{name} ({precision.describe()}): {check.describe()}: the README's prompt is too close to a tie for "
+            "this path; pick one with clearer margins (scripts/prompt_margins.py)")
+
     argv[0] = str(VENV_BIN / "mtp-train")
     result = _run(argv, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "Paris" in result.stdout
+    assert result.stdout.strip() == answer
 
 
 @pytest.mark.slow
