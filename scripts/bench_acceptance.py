@@ -128,6 +128,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from mtp_train.evaluate.margins import explain_divergence
     from mtp_train.runtime.generate import generate
     from mtp_train.runtime.hardware import machine_fields
     from mtp_train.runtime.spec import speculative_generate
@@ -151,6 +152,7 @@ def main() -> None:
     level_of = {"natural": None, **{f"a{level:g}": level for level in args.levels}}
     totals = {name: {"wall": 0.0, "decode": 0.0, "tokens": 0, "steps": 0, "drafted": 0, "accepted": 0}
               for name in names}
+    ties: list[str] = []  # runs whose output parted from plain greedy decoding at a near-tie
     for _ in range(args.rounds):
         for index, ids in enumerate(prompts):
             for name in names:
@@ -167,15 +169,21 @@ def main() -> None:
                     total["accepted"] += stats.accepted_per_position[0]
                 total["wall"] += time.perf_counter() - start
                 total["decode"] += stats.decode_seconds
-                if results[0].token_ids != references[index]:
-                    raise SystemExit(f"{name}: prompt {index}: the output differs from plain greedy decoding")
+                divergence = explain_divergence(target, ids, references[index], results[0].token_ids)
+                if divergence is not None and not divergence.is_tie:
+                    raise SystemExit(f"{name}: prompt {index}: the output differs from plain greedy decoding: "
+                                     f"{divergence.describe()}")
+                if divergence is not None:  # a verify's rounding tipped a near-tie: the output is still the target's
+                    ties.append(f"{name} prompt {index} {divergence.describe()}")
                 total["tokens"] += len(results[0].token_ids)
                 total["steps"] += stats.target_forwards - 1  # the prefill's forward excluded
 
     plain = totals["plain"]
     plain_step = plain["decode"] / max(plain["steps"], 1)
     print(f"\n{len(prompts)} prompts ({source}) × ≤ {args.new_tokens} tokens × {args.rounds} rounds, k = {args.k}, "
-          f"greedy, batch 1; output identical to plain greedy on every run")
+          f"greedy, batch 1; output identical to plain greedy on every run"
+          + (f" but {len(ties)}, which parted at near-ties (margin within 2× the verify's rounding):\n  "
+             + "\n  ".join(ties) if ties else ""))
     print(f"{'drafts':>8s} {'accept@1':>9s} {'tau':>6s} {'tok/s':>7s} {'speedup':>8s} {'decode only':>12s} "
           f"{'step/plain step':>16s}")
     print(f"{'plain':>8s} {'':>9s} {1.0:6.3f} {plain['tokens'] / plain['wall']:7.1f} {1.0:8.3f} {1.0:12.3f} "
@@ -209,7 +217,7 @@ def main() -> None:
         fields.append(f"accept_for_{goal:g}={needed:.3f}")
     fields.append(f"step_over_plain={sum(step_ratios) / len(step_ratios):.3f}")
     print(f"RESULT {' '.join(fields)} k={args.k} prompts={len(prompts)} new_tokens={args.new_tokens} "
-          f"head_weights={head_weights} threads={torch.get_num_threads()} {machine_fields(precision.dtype)}")
+          f"near_ties={len(ties)} head_weights={head_weights} threads={torch.get_num_threads()} {machine_fields(precision.dtype)}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from mtp_train.recipe import load_recipe
 from mtp_train.runtime.chat import encode_chat, stop_token_ids
 from mtp_train.runtime.generate import generate
 from mtp_train.runtime.loader import load_model, load_tokenizer
+from tests.margin_checks import assert_clear_decode_margins
 from tests.pipeline_fixtures import free_port, make_tiny_target, synthetic_sharegpt, tiny_recipe_overrides
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m-mtp.yaml"
@@ -64,6 +65,16 @@ def test_regeneration_over_torchrun_ranks_gives_the_one_process_replies(tmp_path
     reference = prepare_dataset(load_recipe(RECIPE, overrides), show_progress=False)
     expected = _regenerated(reference.output_dir)
     assert len(expected) == 5 and all(m["content"] for row in expected for m in row["messages"])
+    # Tensor parallelism sums each matmul in another order (fp32): every reply step clear of 2 × 1e-3, the fp32
+    # runtime's bound against transformers (tests/test_runtime_real.py), so the ranks must give the same tokens.
+    model, tokenizer = load_model(smollm2_dir, dtype="float32", device="cpu"), load_tokenizer(smollm2_dir)
+    stops = stop_token_ids(tokenizer, model.config)
+    for row in expected:
+        for turn, message in enumerate(row["messages"]):
+            if message["role"] == "assistant":
+                prompt = encode_chat(tokenizer, row["messages"][:turn])
+                (reply,), _ = generate(model, [prompt], 6, stop_token_ids=stops)
+                assert_clear_decode_margins(model, prompt, reply.token_ids, 1e-3, f"{row['source_id']} turn {turn}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(RECIPE.parent.parent)}
     for tensor_parallel in (2, 1):
         out = tmp_path / f"prepared-tp{tensor_parallel}"

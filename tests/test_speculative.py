@@ -26,6 +26,7 @@ from mtp_train.runtime.spec import PromptLookup, SpecStats, speculative_generate
 from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
 from mtp_train.runtime.spec.prompt_lookup import PromptLookupProposer, ngram_next_token
 from mtp_train.runtime.spec.target_draft import TargetDraftProposer
+from tests.margin_checks import assert_clear_decode_margins
 from tests.sampling_stats import P_VALUE_THRESHOLD, chi2_p_value
 from tests.spec_helpers import (
     LOSSLESS_PROMPT,
@@ -390,6 +391,8 @@ def test_real_smollm2_greedy_mtp_chain_matches_generate(smollm2_dir):
     ]
     head = make_head(target, "last_layer")
     reference, _ = generate(target, prompts, 32)
+    for ids, plain in zip(prompts, reference):  # a verify rounds unlike a decode step, both fp32: clear of 2 × 1e-3
+        assert_clear_decode_margins(target, ids, plain.token_ids, 1e-3, "plain fp32 greedy")
     allocator = PageAllocator(64, page_size=16)
     results, stats = speculative_generate(target, head, prompts, 32, 3, allocator=allocator)
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]

@@ -166,6 +166,7 @@ def test_real_smollm2_greedy_trees_match_generate(smollm2_dir):
     from mtp_train.runtime.loader import load_model, load_tokenizer
     from mtp_train.runtime.decode_runner import head_runner
     from mtp_train.runtime.precision import resolve_precision
+    from tests.margin_checks import assert_clear_decode_margins
 
     precision = resolve_precision("float32", "auto", "cpu")
     target = load_model(smollm2_dir, device="cpu", precision=precision)
@@ -174,6 +175,8 @@ def test_real_smollm2_greedy_trees_match_generate(smollm2_dir):
                for text in ("What is the capital of France?", "Write a haiku about the sea.")]
     head = head_runner(make_head(target, "last_layer"), precision, "target")
     reference, _ = generate(target, prompts, 16)
+    for ids, plain in zip(prompts, reference):  # a tree's verify rounds unlike a decode step: clear of 2 × 1e-3
+        assert_clear_decode_margins(target, ids, plain.token_ids, 1e-3, "plain fp32 greedy")
     for tree in (DraftTree(head, TreeShape(5, 3, 16), PromptLookup()),):
         allocator = PageAllocator(64, page_size=16)
         results, _ = speculative_generate(target, tree, prompts, 16, allocator=allocator)
