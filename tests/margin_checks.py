@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp_train.evaluate.margins import SAFETY_FACTOR, MarginCheck, decode_logits
+from mtp_train.evaluate.margins import MarginCheck, decode_logits
 
 
 def assert_clear_margins(logits: torch.Tensor, error: float, what: str) -> None:
@@ -22,13 +22,3 @@ def assert_clear_margins(logits: torch.Tensor, error: float, what: str) -> None:
 def assert_clear_decode_margins(model, prompt_ids: list[int], answer_ids: list[int], error: float, what: str) -> None:
     """`assert_clear_margins` on `model`'s own decode path over its greedy answer."""
     assert_clear_margins(decode_logits(model, prompt_ids, answer_ids), error, what)
-
-
-def clear_prefix_length(logits: torch.Tensor, error: float) -> int:
-    """How many leading steps of `logits` [steps, vocab] have a margin above SAFETY_FACTOR × `error`: the tokens two
-    paths within `error` of each other must agree on."""
-    margins = (logits.float().topk(2, dim=-1).values.diff(dim=-1).neg().squeeze(-1)).tolist()
-    for step, margin in enumerate(margins):
-        if margin <= SAFETY_FACTOR * error:
-            return step
-    return len(margins)

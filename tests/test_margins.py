@@ -8,6 +8,7 @@ import torch
 
 from mtp_train.evaluate.margins import (
     MarginCheck,
+    clear_prefix_length,
     decode_logits,
     explain_divergence,
     first_divergence,
@@ -16,7 +17,7 @@ from mtp_train.evaluate.margins import (
 )
 from mtp_train.runtime.generate import generate
 from mtp_train.runtime.loader import load_model
-from tests.margin_checks import assert_clear_margins, clear_prefix_length
+from tests.margin_checks import assert_clear_margins
 from tests.tiny_models import save_tiny_model
 
 

@@ -99,6 +99,15 @@ class MarginCheck:
                 f"error {self.errors[step]:.3f}; safe above {factor:g}); largest error {max(self.errors):.3f}")
 
 
+def clear_prefix_length(logits: torch.Tensor, error: float) -> int:
+    """How many leading steps of `logits` [steps, vocab] have a margin above SAFETY_FACTOR × `error`: the tokens two
+    paths within `error` of each other must agree on before one of them may part at a near-tie."""
+    for step, margin in enumerate(top2_margins(logits).tolist()):
+        if margin <= SAFETY_FACTOR * error:
+            return step
+    return int(logits.shape[0])
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """The first index where two token lists differ (one ending first counts), None when equal."""
     for i, (x, y) in enumerate(zip(a, b)):
