@@ -63,8 +63,9 @@ class TargetSection(_Section):
         "auto",
         description="attention kernels of the target's runtime in precompute, eval, generate and data regeneration: "
         "torch = SDPA (any device and dtype); flashinfer = FlashInfer's paged and ragged batch kernels (CUDA, "
-        "bf16/fp16, the optional extra `pip install 'mtp_train[gpu]'`); auto = flashinfer on CUDA with bf16/fp16 "
-        "weights where it is installed, else torch. Training and DeepSeek (MLA) targets always attend with torch",
+        "bf16/fp16, head_dim 64, 128 or 256, the optional extra `pip install 'mtp_train[gpu]'`); auto = flashinfer "
+        "on CUDA with bf16/fp16 weights and such a head_dim where it is installed, else torch. Training and DeepSeek "
+        "(MLA) targets always attend with torch",
     )
 
 

@@ -28,7 +28,9 @@ Sections (each ends ok, failed or skipped with the reason; a failure does not st
 Prints one line per section and a final `RESULT key=value ...` line; `--out DIR` also writes `gpu_check.json` there.
 Exit status 0 when no section failed.
 
-On a machine with no network, carry what its image lacks as wheels (docs/scaling.md, "Checking a GPU machine").
+On a machine with no network, carry what its image lacks as wheels: scripts/gpu_wheelhouse.sh builds them and prints
+the command to run there (docs/scaling.md, "Checking a GPU machine"). The script needs no install of mtp_train: it
+puts its own checkout first on the path.
 """
 
 from __future__ import annotations
@@ -48,12 +50,15 @@ from pathlib import Path
 
 import torch
 
+# The repository first: the script runs from a checkout where mtp_train need not be pip-installed (the GPU machine
+# gets the working tree and a wheelhouse, scripts/gpu_wheelhouse.sh), and it imports the test suite's tiny-pipeline
+# builders (tests/pipeline_fixtures.py). Every mtp_train import comes after this line.
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
 from mtp_train.assets import DEFAULT_MODEL, MODEL_MARKER
 from mtp_train.assets import model_dir as asset_dir
 from mtp_train.assets.build import is_present
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the tiny-pipeline builders of the test suite (tests/pipeline_fixtures.py)
 
 TRAIN_STEPS = 20
 EVAL_BATCH_SIZES = (1, 4)
@@ -306,8 +311,10 @@ def check_eval(ctx: Context) -> dict:
 
         (spec, stats), syncs = _count_syncs(run) if ctx.on_cuda else _count_host_reads(run)
         identical = all(a.token_ids == b.token_ids for a, b in zip(spec, plain))
+        ties, faults = _divergences(target, batch, plain, spec)
         tau = stats.new_tokens / max(stats.target_sequence_forwards, 1)  # per sequence, prefill included
         figures[f"b{batch_size}_identical"] = int(identical)
+        figures[f"b{batch_size}_near_ties"] = len(ties)
         figures[f"b{batch_size}_new_tokens"] = stats.new_tokens
         figures[f"b{batch_size}_tau"] = round(tau, 3)
         figures[f"b{batch_size}_acceptance"] = round(stats.accepted_tokens / max(stats.drafted_tokens, 1), 3)
@@ -315,21 +322,40 @@ def check_eval(ctx: Context) -> dict:
         print(f"  batch {batch_size}: identical to plain {identical}, τ {tau:.2f}, "
               f"{syncs / max(stats.target_forwards, 1):.1f} host syncs per target forward"
               + ("" if ctx.on_cuda else " (counted: the calls that would synchronize on CUDA)"))
-        if not identical:
-            problems.append(f"batch {batch_size}: greedy speculative output differs from plain decoding")
+        for tie in ties:  # a verify's rounding tipped a near-tie (the tiny random model's margins are small)
+            print(f"  batch {batch_size}: {tie}")
+        if faults:
+            problems.append(f"batch {batch_size}: greedy speculative output differs from plain decoding: "
+                            + "; ".join(faults))
         # The target drafting for itself (target–draft schedule) accepts every draft: the accept, commit and cache
-        # compaction paths at full length, which a barely trained tiny head never reaches.
+        # compaction paths at full length, which a barely trained tiny head never reaches (a draft step and a verify
+        # round apart: a near-tie may reject one draft).
         self_spec, self_stats = speculative_generate(target, target, batch, 32, num_speculative_tokens=3)
         self_identical = all(a.token_ids == b.token_ids for a, b in zip(self_spec, plain))
+        self_ties, self_faults = _divergences(target, batch, plain, self_spec)
         self_acceptance = self_stats.accepted_tokens / max(self_stats.drafted_tokens, 1)
         figures[f"b{batch_size}_self_draft_identical"] = int(self_identical)
+        figures[f"b{batch_size}_self_draft_near_ties"] = len(self_ties)
         figures[f"b{batch_size}_self_draft_acceptance"] = round(self_acceptance, 3)
-        if not self_identical or self_acceptance < 0.99:
-            problems.append(f"batch {batch_size}: the target drafting for itself gave identical output "
-                            f"{self_identical}, acceptance {self_acceptance:.3f} (expected identical, 1.0)")
+        if self_faults or self_acceptance < (0.9 if self_ties else 0.99):
+            problems.append(f"batch {batch_size}: the target drafting for itself: "
+                            + ("; ".join(self_faults) or f"acceptance {self_acceptance:.3f} (expected 1.0)"))
     if problems:
         raise AssertionError("; ".join(problems))
     return figures
+
+
+def _divergences(target, prompts, plain, other) -> tuple[list[str], list[str]]:
+    """(near-ties, faults): each sequence of `other` that parts from its `plain` greedy decoding, described, as a
+    near-tie (margin within twice the verify's measured rounding: `evaluate/margins.py`) or a fault."""
+    from mtp_train.evaluate.margins import explain_divergence
+
+    ties, faults = [], []
+    for index, (ids, a, b) in enumerate(zip(prompts, plain, other)):
+        divergence = explain_divergence(target, ids, a.token_ids, b.token_ids)
+        if divergence is not None:
+            (ties if divergence.is_tie else faults).append(f"sequence {index} {divergence.describe()}")
+    return ties, faults
 
 
 ATTENTION_SHAPE = dict(heads=32, kv_heads=8, head_dim=128)  # Llama-3-8B's attention
@@ -486,6 +512,7 @@ def check_flashinfer(ctx: Context) -> dict:
         raise Skipped("needs CUDA")
     if _version("flashinfer-python") == "not installed":
         raise Skipped("flashinfer-python is not installed (the `gpu` extra)")
+    from mtp_train.evaluate.margins import clear_prefix_length, decode_logits
     from mtp_train.runtime.attention import get_backend
     from mtp_train.runtime.generate import generate
     from mtp_train.runtime.loader import load_model
@@ -500,15 +527,22 @@ def check_flashinfer(ctx: Context) -> dict:
                                 num_key_value_heads=2, vocab_size=512)
     model = load_model(model_dir, dtype="bfloat16", device=ctx.device)
     prompts = [torch.randint(2, 512, (n,)).tolist() for n in (40, 7, 100, 23)]
-    tokens = {}
+    tokens, logits = {}, {}
     for backend in (reference, flashinfer):
         model.backend = backend
         results, _ = generate(model, prompts, 24)
         tokens[backend.name] = [r.token_ids for r in results]
+        # each backend's logits along the torch backend's tokens, decoded as generate decodes
+        logits[backend.name] = [decode_logits(model, p, t) for p, t in zip(prompts, tokens["torch"])]
     same = sum(a == b for a, b in zip(tokens["torch"], tokens["flashinfer"]))
     print(f"  greedy tokens identical for {same}/{len(prompts)} prompts")
-    if same < len(prompts) - 1:  # bf16 near-ties may flip one prompt's continuation
-        problems.append(f"greedy tokens differ for {len(prompts) - same} of {len(prompts)} prompts")
+    for index, (ours, theirs) in enumerate(zip(tokens["torch"], tokens["flashinfer"])):
+        # the steps whose margin clears twice the backends' measured difference must agree (bf16 near-ties may not)
+        error = float((logits["flashinfer"][index] - logits["torch"][index]).abs().max())
+        clear = clear_prefix_length(logits["torch"][index], error)
+        if ours[:clear] != theirs[:clear]:
+            problems.append(f"prompt {index}: greedy tokens differ within the first {clear} steps, whose margins "
+                            f"clear 2 × the backends' logit difference {error:.3f}")
     timings = _attention_timings([reference, flashinfer], ctx.device, cached=2048, prompt=512, repeats=20)
     print("  " + ", ".join(f"{k} {v}" for k, v in timings.items()))
     if problems:

@@ -17,6 +17,7 @@ Without a cache (`kv_cache=None`, e.g. feature precompute) every sequence attend
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 from mtp_train.errors import UserError
 from mtp_train.runtime.host_sync import host_tensor_to_device, to_device
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -381,13 +384,15 @@ BACKEND_NAMES = ("auto", "torch", "flashinfer")
 
 
 def get_backend(name: str = "auto", device: torch.device | str = "cpu",
-                dtype: torch.dtype | None = None) -> AttentionBackend:
-    """The attention backend `name` (`target.attention`) for a model on `device` whose weights are in `dtype`.
+                dtype: torch.dtype | None = None, head_dim: int | None = None) -> AttentionBackend:
+    """The attention backend `name` (`target.attention`) for a model on `device` whose weights are in `dtype` and
+    whose attention heads are `head_dim` wide.
 
-    `torch` runs everywhere. `flashinfer` (runtime/flashinfer_attention.py) needs CUDA, fp16/bf16 and the optional
-    flashinfer-python package: asked for without them it is a UserError saying what is missing. `auto` picks
-    flashinfer on CUDA with an fp16/bf16 `dtype` when the package imports, else torch (also when `dtype` is not
-    given, e.g. for training, which needs torch's backward pass)."""
+    `torch` runs everywhere. `flashinfer` (runtime/flashinfer_attention.py) needs CUDA, fp16/bf16, a head_dim its
+    kernels are built for (64, 128, 256) and the optional flashinfer-python package: asked for without them it is a
+    UserError saying what is missing. `auto` picks flashinfer on CUDA with an fp16/bf16 `dtype` and such a head_dim
+    when the package imports, else torch (also when `dtype` is not given, e.g. for training, which needs torch's
+    backward pass). `head_dim` None: not checked here (the backend still sends calls of another head_dim to torch)."""
     if name not in BACKEND_NAMES:
         raise UserError(f"target.attention: unknown attention backend {name!r}; choose one of "
                         f"{', '.join(BACKEND_NAMES)}")
@@ -398,8 +403,17 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu",
     if name == "auto":
         if not (on_cuda and half):
             return TorchAttention()
-        from mtp_train.runtime.flashinfer_attention import FlashInferAttention, flashinfer_available
+        from mtp_train.runtime.flashinfer_attention import (
+            HEAD_DIMS,
+            FlashInferAttention,
+            flashinfer_available,
+            head_dim_supported,
+        )
 
+        if head_dim is not None and not head_dim_supported(head_dim):
+            log.info("target.attention auto: attending with torch: FlashInfer's kernels take head_dim %s, the "
+                     "model's is %d", ", ".join(map(str, HEAD_DIMS)), head_dim)
+            return TorchAttention()
         return FlashInferAttention() if flashinfer_available() else TorchAttention()
     if not on_cuda:
         raise UserError(f"target.attention: flashinfer (FlashInfer's kernels, the optional extra mtp_train[gpu]) "
@@ -408,6 +422,10 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu",
     if dtype is not None and not half:
         raise UserError(f"target.attention: flashinfer computes in float16/bfloat16, the target's weights are {dtype}; "
                         "set precision.compute bfloat16 (or float16), or target.attention: torch")
-    from mtp_train.runtime.flashinfer_attention import FlashInferAttention
+    from mtp_train.runtime.flashinfer_attention import HEAD_DIMS, FlashInferAttention, head_dim_supported
 
+    if head_dim is not None and not head_dim_supported(head_dim):
+        raise UserError(f"target.attention: flashinfer's kernels take head_dim {', '.join(map(str, HEAD_DIMS))}; this "
+                        f"model's attention heads are {head_dim} wide; use target.attention: torch (or auto, which "
+                        "picks torch for it)")
     return FlashInferAttention()

@@ -14,10 +14,17 @@ New keys and values are written into the cache's slots (`slot_mapping`) before t
 cache layout, `[num_pages, page_size, kv_heads, head_dim]` per layer for K and V, is FlashInfer's NHD layout, so the
 kernels read it in place. Grouped-query attention is the kernels' own (`num_qo_heads` a multiple of `num_kv_heads`).
 
-FlashInfer has no backward pass and computes in fp16/bf16 only, over a K/V cache of the queries' dtype. Calls it cannot
-serve go to the torch backend: tensors that need gradients (training a draft head), fp32 queries, a cache in another
-dtype than the queries, tensors off CUDA. `flashinfer-python` is an optional dependency (`pip install
-'mtp_train[gpu]'`), imported only when this backend is built.
+FlashInfer has no backward pass, computes in fp16/bf16 only, over a K/V cache of the queries' dtype, and its attention
+kernels are built for head_dim 64, 128 and 256 (`HEAD_DIMS`; FlashInfer's Python side does not refuse another, which
+then fails inside it, and a fault inside a kernel can leave the CUDA context unusable for everything after it). Calls
+it cannot serve go to the torch backend: tensors that need gradients (training a draft head), fp32 queries, a cache in
+another dtype than the queries, another head_dim, tensors off CUDA. `get_backend` checks the model's head_dim before
+it builds this backend (`auto` then picks torch; an explicit `flashinfer` is a UserError).
+
+`plan()` reads the index tensors (indptrs, page indices, last-page lengths) on the host and copies them to the device
+itself, so they are built on the host (pinned on CUDA: the copy it queues does not wait for the device); only a tree's
+custom mask is built on the device, where FlashInfer packs it. `flashinfer-python` is an optional dependency (`pip
+install 'mtp_train[gpu]'`), imported only when this backend is built.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = "install the optional extra: pip install 'mtp_train[gpu]' (it brings flashinfer-python)"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128, 256)  # the head dims FlashInfer's attention kernels are built for (queries, keys and values)
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partial results)
 # Decode with grouped-query attention runs FlashInfer's tensor-core (prefill) kernel when a KV head serves more
 # than this many query heads: the CUDA-core decode kernel's work per KV head grows with the group.
@@ -75,17 +83,30 @@ def flashinfer_available() -> bool:
     return True
 
 
+def head_dim_supported(head_dim: int) -> bool:
+    """Whether FlashInfer's kernels take this head_dim (`HEAD_DIMS`)."""
+    return head_dim in HEAD_DIMS
+
+
 def window_left(sliding_window: int | None) -> int:
     """FlashInfer's `window_left` for a sliding window of `sliding_window` keys: a query at position p sees keys
     p - window_left .. p (both ends included), the torch backend's `key > p - sliding_window`; -1 = no window."""
     return -1 if sliding_window is None else sliding_window - 1
 
 
-def paged_kv_table(batch: BatchInfo, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(kv_page_indptr [batch + 1], kv_page_indices [pages], kv_last_page_len [batch]), int32 on `device`, describing
-    exactly each sequence's attended keys (`kv_lens`). `BatchInfo`'s own table may describe more positions (pages
-    reserved ahead, `for_sequences(reserve_ahead=...)`); FlashInfer reads a sequence's length from its table, so the
-    table is cut to `kv_lens` here."""
+def host_int32(values, pin: bool) -> torch.Tensor:
+    """`values` (a list or a host tensor) as an int32 host tensor for `plan()`, pinned when `pin` (a CUDA target: the
+    copy plan() queues to the device then does not wait for it)."""
+    tensor = (values.to(device="cpu", dtype=torch.int32) if isinstance(values, torch.Tensor)
+              else torch.tensor(values, dtype=torch.int32))
+    return tensor.pin_memory() if pin else tensor
+
+
+def paged_kv_table(batch: BatchInfo, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kv_page_indptr [batch + 1], kv_page_indices [pages], kv_last_page_len [batch]), int32 on the host (pinned
+    when `pin`), describing exactly each sequence's attended keys (`kv_lens`). `BatchInfo`'s own table may describe
+    more positions (pages reserved ahead, `for_sequences(reserve_ahead=...)`); FlashInfer reads a sequence's length
+    from its table, so the table is cut to `kv_lens` here."""
     page_size = batch.page_size
     page_indptr = batch.kv_page_indptr.tolist()
     pages_used = [-(-kv_len // page_size) for kv_len in batch.kv_lens]
@@ -98,8 +119,7 @@ def paged_kv_table(batch: BatchInfo, device: torch.device | str) -> tuple[torch.
         indices = torch.cat([batch.kv_page_indices[page_indptr[b] : page_indptr[b] + used]
                              for b, used in enumerate(pages_used)])
     last_page_len = [kv_len - (used - 1) * page_size if used else 0 for kv_len, used in zip(batch.kv_lens, pages_used)]
-    return (torch.tensor(indptr, dtype=torch.int32, device=device), indices.to(device=device, dtype=torch.int32),
-            torch.tensor(last_page_len, dtype=torch.int32, device=device))
+    return host_int32(indptr, pin), host_int32(indices, pin), host_int32(last_page_len, pin)
 
 
 def tree_custom_mask(batch: BatchInfo, sliding_window: int | None, device: torch.device | str) -> torch.Tensor:
@@ -143,26 +163,29 @@ class FlashInferPlan:
 
 def plan_for_batch(batch: BatchInfo, num_qo_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                    sliding_window: int | None, q_dtype: torch.dtype, device: torch.device | str) -> FlashInferPlan:
-    """The wrapper and `plan()` arguments for `batch` (indptrs and indices int32 on `device`); see the module doc
-    for which wrapper serves which batch. A custom (tree) mask carries the sliding window itself, so that plan has
-    no `window_left`: FlashInfer's window counts key slots, while a tree's queries sit at depths, not slots."""
+    """The wrapper and `plan()` arguments for `batch` on `device`: indptrs and indices int32 on the host, pinned
+    when `device` is CUDA (plan() reads them there and copies them to the device itself), a tree's custom mask on
+    `device`; see the module doc for which wrapper serves which batch. A custom (tree) mask carries the sliding
+    window itself, so that plan has no `window_left`: FlashInfer's window counts key slots, while a tree's queries
+    sit at depths, not slots."""
     common = dict(sm_scale=scale, q_data_type=q_dtype, kv_data_type=q_dtype)
     window = window_left(sliding_window)
+    pin = torch.device(device).type == "cuda"
 
     def plan(kind: str, args: tuple, use_tensor_cores: bool = False, **kwargs) -> FlashInferPlan:
         return FlashInferPlan(kind, kwargs["window_left"], use_tensor_cores, head_dim, q_dtype, args,
                               {**kwargs, **common})
 
     if not batch.uses_cache:
-        qo_indptr = batch.qo_indptr.to(device=device, dtype=torch.int32)
+        qo_indptr = host_int32(batch.qo_indptr, pin)
         return plan("ragged", (qo_indptr, qo_indptr, num_qo_heads, num_kv_heads, head_dim), causal=True,
                     window_left=window)
-    kv_indptr, kv_indices, kv_last_page_len = paged_kv_table(batch, device)
+    kv_indptr, kv_indices, kv_last_page_len = paged_kv_table(batch, pin)
     if batch.tree_masks is None and min(batch.q_lens) == batch.max_q_len == 1:  # exactly one query per sequence
         return plan("decode", (kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
                                batch.page_size),
                     use_tensor_cores=num_qo_heads // num_kv_heads > _TENSOR_CORE_DECODE_GROUP, window_left=window)
-    paged_args = (batch.qo_indptr.to(device=device, dtype=torch.int32), kv_indptr, kv_indices, kv_last_page_len,
+    paged_args = (host_int32(batch.qo_indptr, pin), kv_indptr, kv_indices, kv_last_page_len,
                   num_qo_heads, num_kv_heads, head_dim, batch.page_size)
     if batch.tree_masks is not None:
         return plan("tree", paged_args, custom_mask=tree_custom_mask(batch, sliding_window, device), causal=False,
@@ -189,9 +212,12 @@ class FlashInferAttention(AttentionBackend):
 
     @staticmethod
     def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache) -> bool:
-        """Whether FlashInfer's kernels can compute this call (else it goes to the torch backend)."""
+        """Whether FlashInfer's kernels can compute this call (else it goes to the torch backend): CUDA, fp16/bf16
+        throughout, a head_dim of `HEAD_DIMS` for queries, keys and values, no gradients wanted."""
         if q.device.type != "cuda" or q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
             return False
+        if not head_dim_supported(q.shape[-1]) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+            return False  # the kernels are built for HEAD_DIMS only; another head_dim fails inside them
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return False  # no backward pass in FlashInfer
         return layer_cache is None or layer_cache[0].dtype == q.dtype

@@ -192,7 +192,8 @@ def load_frozen_parts(
     prefix = f"model.layers.{config.num_hidden_layers - 1}."
     layer_state = {key[len(prefix):]: tensors[key] for key in layer_shapes} if last_layer else None
     return FrozenParts(
-        config=config, embed_tokens=embed_tokens, lm_head=lm_head, backend=get_backend(backend, device),
+        config=config, embed_tokens=embed_tokens, lm_head=lm_head,
+        backend=get_backend(backend, device, head_dim=None if config.deepseek is not None else config.head_dim),
         fingerprint=fingerprint or target_fingerprint(model_dir), last_layer=layer_state,
         final_norm=tensors.get(FINAL_NORM_KEY), source_dir=str(model_dir),
     )

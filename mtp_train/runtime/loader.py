@@ -149,8 +149,10 @@ def load_model(
         stored.discard("lm_head.weight")  # some checkpoints store the tied copy too
     if config.deepseek is not None:  # DeepSeek's MTP modules (model.layers.{L + k}.*) are heads, not target layers
         stored = {k for k in stored if not is_mtp_key(config, k)}
+    # A DeepSeek (MLA) target attends with its own code, not the backend: its head_dim is no attention width to check.
+    head_dim = None if config.deepseek is not None else config.head_dim
     with torch.device("meta"):
-        model = model_class(config)(config, backend=get_backend(backend, device, torch_dtype))
+        model = model_class(config)(config, backend=get_backend(backend, device, torch_dtype, head_dim))
     shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     expected = set(shapes)
     if config.tie_word_embeddings:

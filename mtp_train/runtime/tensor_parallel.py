@@ -326,7 +326,7 @@ def load_model_tensor_parallel(model_dir: str | Path, group: TensorParallelGroup
     device = resolve_device(device) if isinstance(device, str) else device
     torch_dtype = resolve_dtype(precision.dtype if precision is not None else dtype, device)
     with torch.device("meta"):
-        model = CausalLM(config, backend=get_backend(backend, device, torch_dtype))
+        model = CausalLM(config, backend=get_backend(backend, device, torch_dtype, config.head_dim))
     full_shapes = {key: tuple(t.shape) for key, t in model.state_dict().items()}
     shard_model(model, group)
     plan = shard_plan(config, group.size, group.rank)
