@@ -44,9 +44,9 @@ def test_eval_report_on_mt_bench_prompts(setup):
     assert report["num_prompts"] == 2 and len(report["skipped"]) == 2
     assert any(":3: no 'turns'" in s for s in report["skipped"]) and any("invalid JSON" in s for s in report["skipped"])
     overall = report["overall"]
-    assert set(overall) == {"plain", "mtp@k=1", "mtp@k=3", "lookup@k=1", "lookup@k=3"}
+    assert set(overall) == {"plain", "mtp@k=1", "mtp@k=3", "lookup@k=1", "lookup@k=3", "hybrid@k=1", "hybrid@k=3"}
     assert report["best"]["method"].startswith("mtp@")
-    for method in ("mtp@k=1", "mtp@k=3", "lookup@k=1", "lookup@k=3"):
+    for method in ("mtp@k=1", "mtp@k=3", "lookup@k=1", "lookup@k=3", "hybrid@k=1", "hybrid@k=3"):
         r = overall[method]
         assert r["greedy_match"] is True  # greedy speculative == plain greedy, every turn
         assert r["turns"] == 3  # 2 turns + 1 turn
@@ -61,7 +61,7 @@ def test_eval_report_on_mt_bench_prompts(setup):
     # The cost curve, measured once per draft after the runs on the first prompt, and the speedup it predicts:
     # τ(k) / (verify(k+1)/decode + drafting(k)/decode) from the stored curve (drafting(k): a head's greedy chain of k
     # drafts timed whole where it drafts in one call, else k draft steps); the best k by it and by measurement.
-    assert set(report["cost_curve"]) == {"mtp", "lookup"}
+    assert set(report["cost_curve"]) == {"mtp", "lookup", "hybrid"}
     for name, curve in report["cost_curve"].items():
         assert curve["decode_ms"] > 0 and set(curve["verify_over_decode"]) == {"2", "4"}
         assert curve["draft_step_over_decode"] > 0 and curve["prompt_tokens"] > 0
@@ -118,7 +118,7 @@ def test_a_recipe_that_does_not_ask_for_the_cost_curve_gets_none():
 def test_eval_on_heldout_split_and_errors(setup, capsys):
     root, recipe, _ = setup
     report = evaluate(recipe, root / "head", None, None, 3, [2], 8, root / "report-heldout", show_progress=False,
-                      prompt_lookup=False)
+                      prompt_lookup=False, hybrid=False)
     printed = capsys.readouterr().out
     assert printed.count("compute dtype") == 1 and "eval: compute dtype float32 (as set)" in printed  # once per stage
     assert report["num_prompts"] == 3 and report["overall"]["mtp@k=2"]["greedy_match"]

@@ -22,7 +22,7 @@ from mtp_train.runtime.generate import generate
 from mtp_train.runtime.kv_cache import PageAllocator
 from mtp_train.runtime.loader import load_model
 from mtp_train.runtime.sampler import SamplingParams
-from mtp_train.runtime.spec import PromptLookup, SpecStats, speculative_generate
+from mtp_train.runtime.spec import HybridDraft, PromptLookup, SpecStats, speculative_generate
 from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
 from mtp_train.runtime.spec.prompt_lookup import PromptLookupProposer, ngram_next_token
 from mtp_train.runtime.spec.target_draft import TargetDraftProposer
@@ -223,6 +223,8 @@ def test_the_default_allocator_is_enough(models):
         ("target_draft", 1, SamplingParams(temperature=1.0, top_k=5), LOSSLESS_SAMPLES),
         ("prompt_lookup", 2, SamplingParams(temperature=1.0), LOSSLESS_SAMPLES),
         ("mtp_chain", 2, SamplingParams(temperature=1.0), 4),
+        ("hybrid", 2, SamplingParams(temperature=1.0), LOSSLESS_SAMPLES),
+        ("hybrid", 3, SamplingParams(temperature=0.8, top_p=0.9), LOSSLESS_SAMPLES),
         ("mtp_chain", 2, SamplingParams(temperature=1.0, repetition_penalty=2.0), LOSSLESS_SAMPLES),
         ("target_draft", 2, SamplingParams(temperature=1.0, repetition_penalty=1.5), LOSSLESS_SAMPLES),
     ],
@@ -239,6 +241,8 @@ def test_speculative_sampling_is_lossless_chi2(small_vocab_target, schedule, k, 
         draft = make_head(target, "last_layer")
     elif schedule == "prompt_lookup":  # one-hot draft distributions (the greedy path proposes ids without them)
         draft = PromptLookup()
+    elif schedule == "hybrid":  # the head's chain or the context's copy, chosen per sequence and step
+        draft = HybridDraft(make_head(target, "last_layer"), min_ngram=1)
     else:
         draft = load_model(target.source_dir, dtype="float32", device="cpu")  # a perturbed copy of the target
         with torch.no_grad():
@@ -247,7 +251,8 @@ def test_speculative_sampling_is_lossless_chi2(small_vocab_target, schedule, k, 
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
     # With a repetition penalty, a prompt of few distinct ids, so that the drafts on a verify row's path change what
     # that row has seen (a row penalized for its sequence's tokens alone fails here: p 1e-44 and 7e-25).
-    prompt = PENALTY_PROMPT if sampling.penalizes else LOSSLESS_PROMPT
+    # (the hybrid: a prompt of repeats, so that the first step copies from the context after some first tokens)
+    prompt = PENALTY_PROMPT if sampling.penalizes or schedule == "hybrid" else LOSSLESS_PROMPT
     if batch_size == LOSSLESS_SAMPLES:
         results, stats = speculative_generate(
             target, draft, [prompt] * LOSSLESS_SAMPLES, 4, k, sampling, seed=11, page_size=4
@@ -261,6 +266,8 @@ def test_speculative_sampling_is_lossless_chi2(small_vocab_target, schedule, k, 
             results += batch_results
             stats.add(batch_stats)
     assert 0.05 < stats.alpha < 0.95  # drafts are both accepted and rejected
+    if schedule == "hybrid":  # both drafters drafted
+        assert min(stats.steps_by_source.get(source, 0) for source in ("head", "context")) > LOSSLESS_SAMPLES // 20
     tokens = torch.tensor([r.token_ids[:3] for r in results])  # [N, 3]
     cells = (tokens[:, 0] * SMALL_VOCAB + tokens[:, 1]) * SMALL_VOCAB + tokens[:, 2]
     counts = torch.bincount(cells, minlength=SMALL_VOCAB**3)

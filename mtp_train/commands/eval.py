@@ -30,6 +30,9 @@ def register(subparsers) -> None:
     p.add_argument("--run-dir", default=None, help="log the results into this run's metrics.jsonl / W&B")
     p.add_argument("--no-prompt-lookup", action="store_true",
                    help="skip the prompt-lookup (n-gram) baseline that runs beside the draft by default")
+    p.add_argument("--no-hybrid", action="store_true",
+                   help="skip the hybrid drafter (per step the head's chain or a copy from the context) that runs "
+                        "beside a head by default")
     p.add_argument("--tree", nargs="+", default=None, metavar="DxKxN[+lookup]",
                    help="also draft trees with the head, one method per shape DEPTHxTOPKxNODES (e.g. 4x2x8; "
                         "+lookup: a hybrid tree with the prompt-lookup branch), beside the chain at each k")
@@ -69,6 +72,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
             max_new_tokens=max_new_tokens, out_dir=out_dir,
             log_run_dir=Path(args.run_dir) if args.run_dir else (run_dir if head_dir == str(run_dir / "head") else None),
             prompt_lookup=not args.no_prompt_lookup, batch_sizes=tuple(batch_sizes), trees=tuple(args.tree or ()),
+            hybrid=not args.no_hybrid,
         )
         if not report.get("written", True):
             return 0  # a follower rank of a tensor-parallel eval: rank 0 reports
@@ -124,7 +128,7 @@ def _evaluate_in_vllm(recipe, head_dir: str, prompts_path, limit, ks, max_new_to
 
 def run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_tokens, out_dir: Path,
                    log_run_dir: Path | None = None, show_progress: bool = True, prompt_lookup: bool = True,
-                   batch_sizes: tuple[int, ...] = (1,), trees: tuple[str, ...] = ()) -> dict:
+                   batch_sizes: tuple[int, ...] = (1,), trees: tuple[str, ...] = (), hybrid: bool = True) -> dict:
     """`_run_evaluation`, holding the run dir's lock (`train.checkpoints.RunDirLock`'s file) where the results are
     logged into a run: an eval never appends to the metrics of a run that is training (it stops at once, naming the
     trainer), and a trainer never starts in a run an eval is logging into."""
@@ -143,7 +147,7 @@ def run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new
     lock = OutputLock(log_run_dir / LOCK_FILENAME, busy, label="eval").acquire() if logs else None
     try:
         return _run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_tokens, out_dir,
-                               log_run_dir, show_progress, prompt_lookup, batch_sizes, trees)
+                               log_run_dir, show_progress, prompt_lookup, batch_sizes, trees, hybrid)
     finally:
         if lock is not None:
             lock.release()
@@ -151,7 +155,7 @@ def run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new
 
 def _run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_new_tokens, out_dir: Path,
                     log_run_dir: Path | None, show_progress: bool, prompt_lookup: bool,
-                    batch_sizes: tuple[int, ...], trees: tuple[str, ...]) -> dict:
+                    batch_sizes: tuple[int, ...], trees: tuple[str, ...], hybrid: bool = True) -> dict:
     """Load the target (in the precision `auto` resolves to) and the draft: the head at `head_dir` (a trainer's head/
     or any export format) or the model at `draft_dir`; then `evaluate`.
 
@@ -205,9 +209,9 @@ def _run_evaluation(recipe, head_dir, draft_dir, prompts_path, limit, ks, max_ne
     if layout.is_leader:
         return evaluate(recipe, target, tokenizer, precision, draft, method, kind, draft_path, prompts_path, limit, ks,
                         max_new_tokens, out_dir, log_run_dir, show_progress, prompt_lookup,
-                        cost_curve=recipe.eval.cost_curve, batch_sizes=batch_sizes, trees=trees)
+                        cost_curve=recipe.eval.cost_curve, batch_sizes=batch_sizes, trees=trees, hybrid=hybrid)
     with tempfile.TemporaryDirectory(prefix="mtp-eval-follower-") as scratch:
         report = evaluate(recipe, target, tokenizer, precision, draft, method, kind, draft_path, prompts_path, limit,
                           ks, max_new_tokens, Path(scratch), None, False, prompt_lookup,
-                          cost_curve=recipe.eval.cost_curve, batch_sizes=batch_sizes, trees=trees)
+                          cost_curve=recipe.eval.cost_curve, batch_sizes=batch_sizes, trees=trees, hybrid=hybrid)
     return {**report, "written": False}

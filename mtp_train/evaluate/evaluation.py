@@ -19,7 +19,7 @@ from mtp_train.runtime.chat import stop_token_ids
 from mtp_train.runtime.hardware import machine_name
 from mtp_train.runtime.model import CausalLM
 from mtp_train.runtime.sampler import SamplingParams
-from mtp_train.runtime.spec import DraftTree, PromptLookup
+from mtp_train.runtime.spec import DraftTree, HybridDraft, PromptLookup
 from mtp_train.runtime.spec.tree import parse_tree_method
 from mtp_train.train.tracking import Tracker, read_metric_rows
 
@@ -27,8 +27,9 @@ from mtp_train.train.tracking import Tracker, read_metric_rows
 def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, draft_kind: str, draft_path: str,
              prompts_path, limit, ks, max_new_tokens, out_dir: Path, log_run_dir: Path | None = None,
              show_progress: bool = True, prompt_lookup: bool = True, cost_curve: bool = False,
-             batch_sizes: tuple[int, ...] = (1,), trees: tuple[str, ...] = ()) -> dict:
-    """Plain decoding, `draft` (reported as `draft_method`@k) and, if `prompt_lookup`, the n-gram baseline, at each
+             batch_sizes: tuple[int, ...] = (1,), trees: tuple[str, ...] = (), hybrid: bool = True) -> dict:
+    """Plain decoding, `draft` (reported as `draft_method`@k), if `prompt_lookup` the n-gram baseline and, for a head
+    with `hybrid`, the hybrid of the two (`runtime/spec/hybrid.py`: the head's chain or the context's copy), at each
     k and each of `batch_sizes`: the first batch size gives the report's main tables ("overall", per category),
     every one its entry in "by_batch_size" and a point of the speedup-against-batch-size plot. `target` is loaded
     with `precision`; the draft computes like it. The report's speedups are measured: tokens/s against plain
@@ -45,7 +46,8 @@ def evaluate(recipe, target, tokenizer, precision, draft, draft_method: str, dra
     else:
         prompt_set = load_heldout(recipe.prepared_dir, limit)
     sampling = SamplingParams(temperature=recipe.eval.temperature)
-    drafts = {draft_method: draft, **({"lookup": PromptLookup()} if prompt_lookup else {})}
+    drafts = {draft_method: draft, **({"lookup": PromptLookup()} if prompt_lookup else {}),
+              **({"hybrid": HybridDraft(draft)} if hybrid and not isinstance(draft, CausalLM) else {})}
     tree_drafts = _tree_drafts(draft, draft_method, trees)
     stops = stop_token_ids(tokenizer, target.config)
     curve_prompt = first_turn_ids(tokenizer, prompt_set.prompts[0])

@@ -23,6 +23,7 @@ from mtp_train.runtime.decode_runner import HeadRunner
 from mtp_train.runtime.kv_cache import PageAllocator, Sequence
 from mtp_train.runtime.model import CausalLM
 from mtp_train.runtime.sampler import SamplingParams
+from mtp_train.runtime.spec.hybrid import HybridDraft
 from mtp_train.runtime.spec.mtp_chain import MTPChainProposer
 from mtp_train.runtime.spec.prompt_lookup import (
     PromptLookup,
@@ -182,7 +183,10 @@ def head_chain_seconds(target, head, prompt_ids: list[int], k: int, repeats: int
 
 def draft_step_seconds(target, draft, prompt_ids: list[int], repeats: int = 20) -> float:
     """Seconds of one draft step of any draft `speculative_generate` takes: prompt lookup, a draft model (one decode
-    step of it) or a head."""
+    step of it) or a head; the hybrid's is its head's (an upper bound: a step that copies from the context runs the
+    head's catch-up only)."""
+    if isinstance(draft, HybridDraft):
+        return head_step_seconds(target, draft.head, prompt_ids, repeats)
     if isinstance(draft, PromptLookup):
         return lookup_step_seconds(target, draft, prompt_ids, repeats)
     if isinstance(draft, CausalLM):

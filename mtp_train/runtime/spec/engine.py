@@ -234,4 +234,5 @@ def speculative_generate(
             if req.pages:
                 req.release(allocator)
     stats.draft_forwards = proposer.forwards
+    stats.steps_by_source = dict(proposer.steps_by_source)
     return outputs.results(), stats

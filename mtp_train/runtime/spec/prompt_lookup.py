@@ -26,8 +26,9 @@ class PromptLookup:
 _ID_BYTES = 4  # a token id as a C int in the search buffer (ids are < 2**31)
 
 
-def ngram_next_token(tokens: list[int], max_ngram: int = 3, min_ngram: int = 1) -> int | None:
-    """The token after the latest earlier occurrence of the last n tokens, longest n first; None without a match.
+def ngram_match(tokens: list[int], max_ngram: int = 3, min_ngram: int = 1) -> int | None:
+    """Where the continuation of the latest earlier occurrence of the last n tokens starts (the index of the token
+    that followed it), longest n first; None without a match.
 
     Searched as bytes (`bytes.rfind`, C speed) over the ids packed as C ints, keeping the matches that start on an id
     boundary: a Python scan over the slices costs more than the step it saves (figures in docs/benchmarks.md)."""
@@ -40,9 +41,16 @@ def ngram_next_token(tokens: list[int], max_ngram: int = 3, min_ngram: int = 1) 
         end = searched_end
         while (found := haystack.rfind(pattern, 0, end)) != -1:
             if found % _ID_BYTES == 0:
-                return tokens[found // _ID_BYTES + n]
+                return found // _ID_BYTES + n
             end = found + len(pattern) - 1  # a misaligned match: look for one starting before it
     return None
+
+
+def ngram_next_token(tokens: list[int], max_ngram: int = 3, min_ngram: int = 1) -> int | None:
+    """The token after the latest earlier occurrence of the last n tokens, longest n first; None without a match
+    (`ngram_match`)."""
+    start = ngram_match(tokens, max_ngram, min_ngram)
+    return None if start is None else tokens[start]
 
 
 @dataclass

@@ -152,6 +152,7 @@ class Proposer:
         self.allocator = allocator
         self.device = target.device
         self.forwards = 0
+        self.steps_by_source: dict[str, int] = {}  # a proposer with several drafters: sequence steps each drafted
         # A draft with a reduced vocabulary: draft logits are [m, N] and draft id i is target id draft_ids[i].
         self.draft_ids: torch.Tensor | None = None  # [N] int64
         self.target_vocab_size: int | None = None

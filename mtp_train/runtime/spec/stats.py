@@ -28,6 +28,8 @@ class SpecStats:
     accepted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)  # [k]: steps that drafted a j-th token
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: steps that accepted the j-th draft
+    # a proposer with several drafters (the hybrid): sequence steps each drafted, by drafter name
+    steps_by_source: dict[str, int] = field(default_factory=dict)
     prefill_seconds: float = 0.0  # target prefill + the draft's first catch-up
     decode_seconds: float = 0.0
 
@@ -45,7 +47,12 @@ class SpecStats:
             if counter.name in ("schedule", "num_speculative_tokens"):
                 continue
             mine, theirs = getattr(self, counter.name), getattr(other, counter.name)
-            total = [a + b for a, b in zip(mine, theirs)] if isinstance(mine, list) else mine + theirs
+            if isinstance(mine, dict):
+                total = {key: mine.get(key, 0) + theirs.get(key, 0) for key in {**mine, **theirs}}
+            elif isinstance(mine, list):
+                total = [a + b for a, b in zip(mine, theirs)]
+            else:
+                total = mine + theirs
             setattr(self, counter.name, total)
 
     @property
@@ -82,6 +89,7 @@ class SpecStats:
             **{rate: round(getattr(self, rate), 4) for rate in ("tau", "committed_per_verify", "alpha")},
             "acceptance_per_position": [round(r, 4) for r in self.acceptance_per_position],
             **{name: copy(getattr(self, name)) for name in counters},
+            **({"steps_by_source": dict(self.steps_by_source)} if self.steps_by_source else {}),
             "wall_seconds": round(self.wall_seconds, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
         }
