@@ -13,7 +13,8 @@ is. A hybrid tree verifies both at once and pays for every extra row; this propo
   on its first token, and the copy goes on for free); otherwise the drafter whose first drafts were accepted more
   often in this sequence so far, the head's rate starting from p_1 (its confidence) and the context's from
   `context_prior`, each updated by its own verdicts (Laplace-smoothed counts);
-- the head's chain is `head_tokens` long at most (its acceptance falls with depth, a copy's does not).
+- the head's chain is `head_tokens` (2) long at most (its acceptance falls with depth, a copy's does not), so at
+  k = 4 the hybrid drafts 2 from the head or 4 copied.
 
 The choice depends only on the context and the head's logits, never on a draw, and a context draft's distribution
 is one-hot on its token: rejection sampling stays lossless, and greedy output equals plain decoding, as for every
@@ -44,7 +45,9 @@ class HybridDraft:
     head: object
     max_ngram: int = 3
     min_ngram: int = 2  # a one-token match copies too often where the text does not repeat
-    head_tokens: int | None = None  # the head's chain at most this long (None: k)
+    # the head's chain at most this long (None: k); 2: its third draft is rarely accepted (0.02-0.09 on the demo's
+    # head), while copies keep going (docs/benchmarks.md, "The hybrid drafter")
+    head_tokens: int | None = 2
     context_prior: float = 0.5  # the context's first-draft acceptance before any verdict of this sequence
 
     def __post_init__(self) -> None:
