@@ -211,3 +211,25 @@ def test_a_report_older_than_the_heads_weights_is_not_found_by_default(target, t
     with pytest.raises(UserError, match=r"invalid JSON .*\(found next to the head: fix it, pass --eval-report FILE, "
                                         r"or --no-eval-report\)"):
         export_head(head_dir, "native", tmp_path / "c", target_dir)
+
+
+def vllm_section(kind: str, speedups: dict[int, float]) -> dict:
+    """The report's `vllm` section as `export.vllm_eval.evaluate_in_vllm` writes it (the fields export reads)."""
+    return {"engine": "vllm", "methods": {f"{kind}@k={k}": {"k": k, "tau": 1.0 + k / 4, "speedup": speedup}
+                                          for k, speedup in speedups.items()}}
+
+
+def test_the_export_takes_vllms_k_from_an_eval_in_vllm(target, target_dir, tmp_path):
+    """`eval --engine vllm` writes its section and the draft's names (no figures of our engine): the export records
+    vLLM's best k; beside our engine's figures (`--engine both`) vLLM's measurement wins too (it serves the export)."""
+    head_dir = mtp_head(target, tmp_path / "run" / "head", seed=4)
+    report_path = tmp_path / "run" / "eval" / "report.json"
+    write_json_atomic(report_path, {"name": "tiny", "target": "t", "draft": str(head_dir), "draft_kind": "head (mtp)",
+                                    "draft_method": "mtp", "vllm": vllm_section("mtp", {1: 1.1, 2: 1.05, 3: 0.9})})
+    block = read_config(export_head(head_dir, "vllm-mtp", tmp_path / "only", target_dir))["mtp_train"]["speculative"]
+    assert (block["best_k"], block["method"]) == (1, "vllm mtp@k=1")
+    assert block["measured"]["2"] == {"tau": 1.5, "speedup": 1.05}
+    both = write_report(report_path, head_dir, trees={})  # our engine: k = 2 by measured speedup
+    write_json_atomic(report_path, {**both, "vllm": vllm_section("mtp", {1: 1.0, 2: 1.02, 3: 1.2})})
+    block = read_config(export_head(head_dir, "vllm-mtp", tmp_path / "both", target_dir))["mtp_train"]["speculative"]
+    assert (block["best_k"], block["method"]) == (3, "vllm mtp@k=3")

@@ -97,6 +97,7 @@ def _evaluate_in_vllm(recipe, head_dir: str, prompts_path, limit, ks, max_new_to
     from mtp_train.export.vllm_eval import evaluate_in_vllm, markdown_lines
     from mtp_train.features.vllm_target import engine_args
     from mtp_train.fileio import atomic_write_text, write_json_atomic
+    from mtp_train.heads.io import read_head_config
     from mtp_train.runtime.chat import stop_token_ids
     from mtp_train.runtime.config import load_config
     from mtp_train.runtime.loader import load_tokenizer
@@ -116,6 +117,10 @@ def _evaluate_in_vllm(recipe, head_dir: str, prompts_path, limit, ks, max_new_to
     section["prompt_source"] = prompt_set.source + (" (first turns)" if prompts_path else "")
     report_path, markdown_path = out_dir / "report.json", out_dir / "report.md"
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.is_file() else {}
+    if "draft_kind" not in report:  # vLLM alone: what it measured, as our engine's report names it (export reads it)
+        kind = read_head_config(head_dir).kind
+        report.update(name=recipe.name, target=str(recipe.target.path), draft=str(head_dir),
+                      draft_kind=f"head ({kind})", draft_method=kind)
     report["vllm"] = section
     write_json_atomic(report_path, report)
     markdown = markdown_path.read_text(encoding="utf-8") if markdown_path.is_file() else ""

@@ -92,7 +92,11 @@ def find_measured_k(head_dir: Path, eval_report: str | os.PathLike[str] | None,
 
 def read_measured_k(report: dict[str, Any], path: Path) -> MeasuredK:
     """The best chain k of the report's draft by measured speedup, with the τ and speedup at each k (a UserError
-    naming the key when the report lacks them or holds them in the wrong form)."""
+    naming the key when the report lacks them or holds them in the wrong form). Where the eval also served the head
+    in vLLM (`eval --engine vllm|both`: the report's `vllm` section), vLLM's measurement is the one taken: it is the
+    engine the exports are served by."""
+    if isinstance(report.get("vllm"), dict):
+        return _vllm_measured_k(report["vllm"], path)
     draft, overall = report.get("draft_method"), report.get("overall")
     if not isinstance(draft, str) or not isinstance(overall, dict):
         raise UserError(f"{path}: no draft_method / overall (is it an mtp-train eval report?)")
@@ -106,6 +110,23 @@ def read_measured_k(report: dict[str, Any], path: Path) -> MeasuredK:
         raise UserError(f"{path}: overall holds no chain of the draft ({draft}@k=<k>) to take a k from")
     best = measured_best_k({k: numbers["speedup"] for k, numbers in by_k.items()})
     return MeasuredK(report=path.resolve(), method=f"{draft}@k={best}", k=best, by_k=by_k)
+
+
+def _vllm_measured_k(section: dict[str, Any], path: Path) -> MeasuredK:
+    """The best k of an eval's vLLM section (`export.vllm_eval.evaluate_in_vllm`: methods "<kind>@k=<k>")."""
+    methods = section.get("methods")
+    if not isinstance(methods, dict) or not methods:
+        raise UserError(f"{path}: vllm.methods holds no measured k (is it an mtp-train eval report?)")
+    by_k, names = {}, {}
+    for name, numbers in methods.items():
+        where = f"vllm.methods.{name}"
+        if not isinstance(numbers, dict) or "@k=" not in name:
+            raise UserError(f"{path}: {where}: expected '<kind>@k=<k>' with an object of numbers")
+        k = int(_number(numbers, path, where, "k"))
+        by_k[k] = {key: _number(numbers, path, where, key) for key in ("tau", "speedup")}
+        names[k] = name
+    best = measured_best_k({k: numbers["speedup"] for k, numbers in by_k.items()})
+    return MeasuredK(report=path.resolve(), method=f"vllm {names[best]}", k=best, by_k=by_k)
 
 
 def _number(entry: dict[str, Any], path: Path, where: str, key: str) -> float:
