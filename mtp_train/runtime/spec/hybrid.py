@@ -118,10 +118,12 @@ class HybridProposer(MTPChainProposer):
         copies: dict[int, list[int]] = {}
         if drafting:  # one read: the head's first draft and its probability, for every drafting request
             first_logits = torch.stack([requests[b].draft.next_logits for b in drafting]).float()  # [m, vocab]
-            confidence, first = first_logits.softmax(-1).max(-1)
+            confidence, first = first_logits.softmax(-1).max(-1)  # [m] each
             first = self.draft_ids[first] if self.draft_ids is not None else first
-            for b, head_first, head_confidence in zip(drafting, first.tolist(), confidence.tolist()):
-                copies[b] = self._choose(requests[b], head_first, head_confidence, num_drafts[b])
+            # both in one transfer (token ids are exact in fp64)
+            read = torch.stack([first.double(), confidence.double()]).tolist()
+            for b, head_first, head_confidence in zip(drafting, read[0], read[1]):
+                copies[b] = self._choose(requests[b], int(head_first), head_confidence, num_drafts[b])
         head_limit = self.rules.head_tokens or max(num_drafts, default=0)
         head_counts = [0 if copies.get(b) else min(count, head_limit) for b, count in enumerate(num_drafts)]
         head_proposals = Proposer.propose(self, requests, head_counts, sampling, generator)
