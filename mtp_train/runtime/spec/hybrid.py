@@ -80,7 +80,7 @@ class HybridProposer(MTPChainProposer):
 
     schedule = "hybrid"
     state_class = HybridState
-    draft_description = "HybridDraft(head) (hybrid: head or context chain)"
+    draft_description = "a HybridDraft(head) (hybrid: head or context chain)"
 
     @classmethod
     def accepts(cls, draft) -> bool:
