@@ -12,8 +12,11 @@ log file of the caller's) never mixes with them:
   -> {"files": [path, ...]}   one safetensors file a sample, in order: hidden_states [T, len(layer ids), hidden]
                               (the engine's dtype, layer ids ascending) and token_ids [T]
   mode "generate" (settings `speculative_config` or null, `hf_overrides` or null): greedy decoding, batch 1
-  <- {"op": "generate", "prompts": [[token ids], ...], "max_new_tokens": n, "stop_token_ids": [...]}
+  <- {"op": "generate", "prompts": [[token ids], ...], "max_new_tokens": n, "stop_token_ids": [...],
+      "logprobs": n (optional), "prompt_logprobs": n (optional)}
   -> {"outputs": [[token ids], ...], "seconds": [per prompt]}
+     with "logprobs" (asked for): per prompt, per new token [[token id, logprob], ...]: its top n and the chosen
+     token, best first (vLLM's raw logprobs); with "prompt_logprobs": the same per prompt token (the first null)
   <- {"op": "metrics"}
   -> {"metrics": {name: value or [values]}}   vLLM's vllm:spec_decode_* counters since the engine started
   -> {"error": "..."}         instead of any reply, then exit 1
@@ -88,20 +91,39 @@ def _end_the_group(signum, frame) -> None:
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
+def _ranked(position) -> list | None:
+    """One position's logprobs ({token id: Logprob}, or None) as [[token id, logprob], ...], best first."""
+    if position is None:
+        return None
+    return [[int(token), float(entry.logprob)] for token, entry in
+            sorted(position.items(), key=lambda item: -item[1].logprob)]
+
+
 def _generate(llm, request: dict) -> dict:
-    """Greedy decoding, one prompt at a time (batch 1, as mtp_train's eval), each timed."""
+    """Greedy decoding, one prompt at a time (batch 1, as mtp_train's eval), each timed; with `logprobs` or
+    `prompt_logprobs` (n) the top n logprobs of every new or prompt token as well."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    logprobs, prompt_logprobs = request.get("logprobs"), request.get("prompt_logprobs")
     params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
-                            stop_token_ids=request.get("stop_token_ids") or None, detokenize=False)
-    outputs, seconds = [], []
+                            stop_token_ids=request.get("stop_token_ids") or None, detokenize=False,
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    reply = {"outputs": [], "seconds": []}
+    if logprobs is not None:
+        reply["logprobs"] = []
+    if prompt_logprobs is not None:
+        reply["prompt_logprobs"] = []
     for ids in request["prompts"]:
         started = time.perf_counter()
         result = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-        seconds.append(time.perf_counter() - started)
-        outputs.append(list(result.outputs[0].token_ids))
-    return {"outputs": outputs, "seconds": seconds}
+        reply["seconds"].append(time.perf_counter() - started)
+        reply["outputs"].append(list(result.outputs[0].token_ids))
+        if logprobs is not None:
+            reply["logprobs"].append([_ranked(position) for position in result.outputs[0].logprobs])
+        if prompt_logprobs is not None:
+            reply["prompt_logprobs"].append([_ranked(position) for position in result.prompt_logprobs])
+    return reply
 
 
 def _spec_metrics(llm) -> dict:
