@@ -53,6 +53,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -617,12 +618,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=29583, help="torchrun's master port for our stages")
     parser.add_argument("--work-dir", default=None, help="default runs/peer-compare/<kind>[-quick]")
     parser.add_argument("--quick", action="store_true", help="40 conversations, 1 epoch, 3 prompts")
+    parser.add_argument("--heads", default="ours,peer", help="contenders built and judged: ours,peer (default), "
+                        "ours or peer")
     parser.add_argument("--skip-judge", action="store_true", help="train both, judge nothing")
     return parser.parse_args(argv)
 
 
+def _interrupted(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")  # subprocess.run then kills the stage it waits on
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupted)
     os.chdir(REPO)
     sys.path.insert(0, str(REPO))
     from mtp_train.recipe import load_recipe
@@ -640,9 +648,12 @@ def main(argv=None) -> int:
     recipe = load_recipe(args.recipe, overrides)
     ctx = Context(args, recipe, overrides, work, ours_dir, show=lambda m: print(m, flush=True))
     started = time.perf_counter()
-    ours = kind.ours(ctx)
-    peer = kind.peer(ctx)
-    heads = [ours, peer]
+    wanted = [h.strip() for h in args.heads.split(",") if h.strip()]
+    unknown = sorted(set(wanted) - {"ours", "peer"})
+    if unknown or not wanted:
+        raise SystemExit(f"peer_compare: --heads takes ours and/or peer, not {args.heads!r}")
+    heads = [build(ctx) for name, build in (("ours", kind.ours), ("peer", kind.peer)) if name in wanted]
+    judged = "-".join(h.export_dir.parent.parent.name if h.label == "peer" else ours_dir.name for h in heads)
     report: dict[str, Any] = {"kind": args.kind, "recipe": str(args.recipe), "overrides": overrides,
                               "heads": [{**h.__dict__, "export_dir": str(h.export_dir)} for h in heads]}
     if not args.skip_judge:
@@ -662,9 +673,8 @@ def main(argv=None) -> int:
         if recipe.precompute.vllm.max_model_len is None:
             del spread["max_model_len"]
         result = judge(heads, str(recipe.target.path), prompts, stops, list(args.k),
-                       args.max_new_tokens or recipe.eval.max_new_tokens, work / "judge" / f"{ours_dir.name}-"
-                       f"{peer.export_dir.parent.parent.name}", spread, dtype=recipe.precision.compute,
-                       show=ctx.show)
+                       args.max_new_tokens or recipe.eval.max_new_tokens, work / "judge" / judged, spread,
+                       dtype=recipe.precision.compute, show=ctx.show)
         result["prompt_source"] = prompt_set.source
         report["judge"] = result
         table = markdown(result, heads)
@@ -672,7 +682,7 @@ def main(argv=None) -> int:
         report["markdown"] = table
         report["result"] = result_line(result, heads)
     report["wall_s"] = round(time.perf_counter() - started, 1)
-    out = work / f"report-{ours_dir.name}-{peer.export_dir.parent.parent.name}.json"
+    out = work / f"report-{judged}.json"
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(f"(report: {out})")
     if "result" in report:
