@@ -297,7 +297,12 @@ class TrainSection(_Section):
                             "deepspeed_config when one is given")
     micro_batch_tokens: int = Field(4096, ge=1, description="tokens per micro batch per rank")
     grad_accum: int = Field(1, ge=1, description="micro batches per optimizer step")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw | muon: Muon (orthogonalized momentum) for the head's matrices at muon_lr, AdamW at "
+        "lr for its norms and biases")
     lr: float = Field(5e-4, gt=0.0, description="peak learning rate (AdamW)")
+    muon_lr: float = Field(0.02, gt=0.0, description="peak learning rate of the matrices under optimizer muon "
+                           "(Muon's step is a unit-scale orthogonal matrix; 0.02 is Muon's usual value)")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr = lr * min_lr_ratio")
     warmup_steps: int = Field(50, ge=0, description="optimizer steps of linear warmup")
     schedule: Literal["cosine", "linear", "constant"] = Field(
@@ -313,6 +318,9 @@ class TrainSection(_Section):
                                        "(smooth-L1 to the target's next hidden state)")
     kl_loss_weight: float = Field(1.0, ge=0.0, description="weight of the KL to the target's next-token "
                                   "distribution")
+    input_noise: float = Field(0.0, ge=0.0, description="Gaussian noise added to the target states step 1 reads, as a "
+                               "share of each row's RMS (0 = off): the head learns to draft from states that differ a "
+                               "little from the cached ones")
     loss_rows: Literal["assistant", "all"] = Field(
         "assistant", description="rows the losses count: those predicting an assistant token, or all (user and system "
         "turns too: more supervision from the same cached features; validation counts assistant rows either way)"
@@ -322,6 +330,17 @@ class TrainSection(_Section):
     save_every: int = Field(500, ge=1, description="optimizer steps")
     keep_last: int = Field(2, ge=1, description="checkpoints kept")
     seed: int = Field(0, description="seed of the head's initialization and the sample order")
+
+    @model_validator(mode="after")
+    def _muon_under_zero_is_not_clipped(self) -> TrainSection:
+        if self.optimizer == "muon" and self.zero_stage >= 1 and self.clip > 0:
+            raise ValueError(
+                f"optimizer muon with zero_stage {self.zero_stage} needs clip 0: DeepSpeed's ZeRO optimizer "
+                "orthogonalizes the gradient into Muon's update before it clips, so the global-norm clip shrinks a "
+                "unit-scale update, not a gradient (SmolLM2 demo cache, 100 steps: held-out top-1 6.3% clipped at 1.0 "
+                "against 27.1% unclipped; docs/benchmarks.md); set train.clip=0, or train.zero_stage=0"
+            )
+        return self
 
 
 MAX_EVAL_BATCH = 256

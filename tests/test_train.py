@@ -273,3 +273,109 @@ def test_nan_loss_stops_with_a_checkpoint(features, monkeypatch):
         run_training(recipe, show_progress=False)
     assert (run_dir / "checkpoints" / "nan-step-3").is_dir()
     assert len(_metrics(run_dir)) == 2
+
+
+def test_muon_optimizer_takes_the_matrices_and_adamw_the_rest(features):
+    """`train.optimizer: muon`: DeepSpeed's MuonWithAuxAdam with every trainable matrix in the Muon group at
+    `train.muon_lr` (flagged `use_muon` for ZeRO) and the norms in the AdamW group at `train.lr`; adamw stays one
+    torch AdamW over every trainable parameter."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    from mtp_train.train.trainer import make_optimizer
+
+    root, overrides = features
+    head = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 8, bias=False))
+    frozen = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+    head.register_parameter("frozen", frozen)
+    recipe = load_recipe(RECIPE, overrides + ["train.optimizer=muon", "train.muon_lr=0.03", "train.lr=1e-3",
+                                              "train.clip=0"])
+    optimizer = make_optimizer(head, recipe.train)
+    assert isinstance(optimizer, MuonWithAuxAdam)
+    muon, adam = optimizer.param_groups
+    matrices = [head[0].weight, head[2].weight]
+    assert muon["use_muon"] and muon["lr"] == 0.03 and [id(p) for p in muon["params"]] == list(map(id, matrices))
+    assert not adam["use_muon"] and adam["lr"] == 1e-3
+    assert {id(p) for p in adam["params"]} == {id(head[0].bias), id(head[1].weight), id(head[1].bias)}
+    assert all(p.use_muon for p in matrices) and not head[1].weight.use_muon
+    with pytest.raises(UserError, match=r"train: optimizer muon with zero_stage 2 needs clip 0"):
+        load_recipe(RECIPE, overrides + ["train.optimizer=muon", "train.zero_stage=2", "train.clip=1.0"])
+    assert load_recipe(RECIPE, overrides + ["train.optimizer=muon", "train.zero_stage=0"]).train.clip == 1.0
+    adamw = make_optimizer(head, load_recipe(RECIPE, overrides).train)
+    assert type(adamw) is torch.optim.AdamW
+    assert id(frozen) not in {id(p) for group in adamw.param_groups for p in group["params"]}
+
+
+def test_input_noise_perturbs_step_one_inputs_reproducibly():
+    """`train.input_noise`: σ · rms(row) · N(0, 1) on what step 1 reads; 0 leaves the loss bit-identical, a seed
+    reproduces the noised loss, and the targets are not noised (a head that copies its input sees a loss of its
+    noise only)."""
+    from mtp_train.train.losses import unrolled_losses
+
+    class Copy(torch.nn.Module):  # the head's output is its input: its KL measures the noise on the inputs alone
+        def __init__(self, weight):
+            super().__init__()
+            self.lm_head_weight = weight
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, token_ids, hidden, batch):
+            return hidden * self.scale
+
+    torch.manual_seed(0)
+    d, vocab, lengths = 16, 32, [7, 5]
+    weight = torch.randn(vocab, d)
+    hidden = torch.randn(sum(lengths), d)
+    hidden[1:7] = hidden[0]  # sequence 0 holds one state, so a copying head is exact on its rows without noise
+    token_ids = torch.randint(0, vocab, (sum(lengths),))
+    mask = torch.ones(sum(lengths))
+    head = Copy(weight)
+
+    def loss(noise: float, seed: int = 1) -> torch.Tensor:
+        torch.manual_seed(seed)
+        total, _ = unrolled_losses(head, token_ids, hidden, mask, lengths, unroll_steps=1, feature_weight=0.0,
+                                   chunk_size=None, input_noise=noise)
+        return total.detach()
+
+    assert torch.equal(loss(0.0), loss(0.0, seed=2))
+    assert torch.equal(loss(0.1), loss(0.1))
+    assert not torch.equal(loss(0.1), loss(0.1, seed=2))
+    assert loss(0.1) > loss(0.0) and loss(0.5) > loss(0.1)
+
+
+@pytest.mark.slow
+def test_muon_with_input_noise_on_two_ranks_learns_and_resumes_exactly(features):
+    """Muon under ZeRO-2 on 2 ranks with noised inputs: the loss falls, and a run killed after a checkpoint resumes
+    to the uninterrupted run's head and losses bit for bit (Muon's momentum and the noise generator's state are in
+    the checkpoint)."""
+    root, overrides = features
+    common = _sets(overrides) + ["--set", "train.optimizer=muon", "--set", "train.clip=0",
+                                 "--set", "train.input_noise=0.05",
+                                 "--set", "train.max_steps=16", "--set", "train.save_every=4",
+                                 "--set", "train.keep_last=5"]
+
+    def command(run_dir: Path) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
+                "-m", "mtp_train", "train", "--recipe", str(RECIPE), *common, "--set", f"train.run_dir={run_dir}"]
+
+    straight = root / "run-muon-straight"
+    result = subprocess.run(command(straight), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = _metrics(straight)
+    assert sum(r["loss"] for r in rows[-4:]) < 0.97 * sum(r["loss"] for r in rows[:4])
+    killed = root / "run-muon-killed"
+    process = subprocess.Popen(command(killed), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if (killed / "checkpoints" / "step-8" / "client_state.json").is_file():
+            break
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (killed / "head").exists(), "the run finished before it could be killed"
+    result = subprocess.run(command(killed), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stdout
+    a, b = _head_tensors(straight), _head_tensors(killed)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert [r["loss"] for r in _metrics(straight)] == [r["loss"] for r in _metrics(killed)]

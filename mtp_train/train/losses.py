@@ -313,6 +313,7 @@ def unrolled_losses(
     feature_beta: float = 1.0,
     target_argmax: torch.Tensor | None = None,  # [T] the cache's argmax of lm_head(H_t), if stored
     first_inputs: torch.Tensor | None = None,  # [T, w] what step 1 reads at each position (default: target_hidden)
+    input_noise: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:
     """Total loss Σ_k w_k (feature_weight · feature_k + kl_weight · kl_k), w_k = step_weight_decay^(k-1); metrics.
 
@@ -322,7 +323,8 @@ def unrolled_losses(
     is an assistant token). `head` is called as `head(token_ids, hidden, batch)` and must expose `lm_head_weight`;
     the losses read `head.readout(out)` when the head has one (an eagle3 head's final norm; its raw output is what the
     next step reads). `first_inputs` replaces H_i as step 1's input (an eagle3 head: the target's aux layer states
-    [T, 3d], which it fuses itself); the targets stay H.
+    [T, 3d], which it fuses itself); the targets stay H. `input_noise` σ > 0 adds σ · rms(row) · N(0, 1) to what step 1
+    reads (torch's global generator: the trainer seeds it and checkpoints its state).
 
     Metrics (detached 0-dim tensors, left on the device; `rows` are ints): `loss`, and per step k `step{k}/feature`,
     `/kl`, `/top1`, `/top3`, `/alpha`, `/coverage` (means over counted rows), `/rows`. A head with a reduced draft
@@ -344,6 +346,10 @@ def unrolled_losses(
             break
         if previous_out is None:
             hidden = (target_hidden if first_inputs is None else first_inputs)[rows.read - k]  # [R, w] H_i
+            if input_noise:
+                rms = hidden.float().pow(2).mean(-1, keepdim=True).sqrt()  # [R, 1]
+                hidden = (hidden.float() + input_noise * rms * torch.randn_like(rms.expand(hidden.shape))).to(
+                    hidden.dtype)
         else:  # row i of each sequence at step k-1 is also row i at step k (the last row drops out)
             hidden = previous_out[_row_starts(previous_lengths, rows.lengths, device) + rows.local]  # [R, d]
         # A packed no-cache batch over the sequences that still have rows, at the rows' rotary positions.

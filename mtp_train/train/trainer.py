@@ -130,6 +130,8 @@ def deepspeed_config(recipe, world_size: int, use_bf16: bool) -> dict[str, Any]:
         if key in section and section[key] != ours:
             raise UserError(f"{source}: {shown or key}={section[key]} {why}")
         section[key] = ours
+    if train.optimizer == "muon":  # a client optimizer DeepSpeed does not list as tested under ZeRO (it handles it)
+        config.setdefault("zero_allow_untested_optimizer", True)
     config["bf16"] = {**config.get("bf16", {}), "enabled": use_bf16}
     config.setdefault("steps_per_print", 10**9)
     config.setdefault("wall_clock_breakdown", False)
@@ -216,6 +218,11 @@ class TrainingRun:
                     feature_weight=train.feature_loss_weight, kl_weight=train.kl_loss_weight,
                     chunk_size=train.logits_chunk_size)
 
+    @property
+    def train_loss_kwargs(self) -> dict[str, Any]:
+        """`loss_kwargs` plus what only training steps take (validation reads the cache as it is)."""
+        return dict(self.loss_kwargs, input_noise=self.recipe.train.input_noise)
+
 
 def counted_rows(loss_mask: torch.Tensor, loss_rows: str) -> torch.Tensor:
     """The mask the losses count rows by (`train.loss_rows`): the assistant tokens (`loss_mask` [T], 1 = assistant),
@@ -279,7 +286,7 @@ def setup(recipe) -> TrainingRun:
 
     steps_per_epoch = max(1, train_reader.batches_per_epoch() // train.grad_accum)
     total_steps = train.max_steps or steps_per_epoch * train.epochs
-    optimizer = torch.optim.AdamW(head.parameters(), lr=train.lr, weight_decay=train.weight_decay, betas=(0.9, 0.95))
+    optimizer = make_optimizer(head, train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, train.warmup_steps, total_steps, train.schedule, train.min_lr_ratio)
     )
@@ -289,6 +296,36 @@ def setup(recipe) -> TrainingRun:
     install_safe_loading(engine)  # DeepSpeed's own loader would unpickle arbitrary objects
     return TrainingRun(recipe, rank, world_size, device, precision, target, fingerprint, train_reader, eval_reader,
                        head_config, engine, total_steps, draft_vocab_coverage)
+
+
+def make_optimizer(head: torch.nn.Module, train) -> torch.optim.Optimizer:
+    """`train.optimizer`: AdamW over every trainable parameter, or Muon over the head's matrices (momentum
+    orthogonalized by Newton–Schulz, at `train.muon_lr`) with AdamW's update at `train.lr` for the rest (norms,
+    biases). Muon is DeepSpeed's `MuonWithAuxAdam`: its ZeRO-1/2 optimizer orthogonalizes each matrix whole although
+    it partitions gradients flat, so Muon stays Muon on any number of ranks (a plain torch Muon would see 1-D
+    partitions)."""
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    if train.optimizer == "adamw":
+        return torch.optim.AdamW(trainable, lr=train.lr, weight_decay=train.weight_decay, betas=(0.9, 0.95))
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    matrices = [p for p in trainable if p.dim() >= 2]
+    others = [p for p in trainable if p.dim() < 2]
+    for param in trainable:
+        param.use_muon = param.dim() >= 2  # ZeRO reads the flag off each parameter
+    groups = [dict(params=matrices, use_muon=True, lr=train.muon_lr, momentum=0.95,
+                   weight_decay=train.weight_decay)]
+    if others:
+        groups.append(dict(params=others, use_muon=False, lr=train.lr, betas=(0.9, 0.95), eps=1e-8,
+                           weight_decay=train.weight_decay))
+    return MuonWithAuxAdam(groups)
+
+
+def optimizer_stance(device: torch.device):
+    """On a CPU, optimizer steps run eagerly: DeepSpeed's Muon update is a `torch.compile`d function, whose C++ build
+    costs ~40 s per rank at its first step for a Newton–Schulz iteration that takes milliseconds on a head's matrices.
+    On CUDA the compiled update is kept."""
+    return torch.compiler.set_stance("force_eager") if device.type == "cpu" else nullcontext()
 
 
 def _choose_checkpoint(run: TrainingRun, resume: str) -> CheckpointInfo | None:
@@ -488,14 +525,15 @@ def train_step(run: TrainingRun, data) -> StepResult:
         loss_mask = counted_rows(batch.loss_mask, run.recipe.train.loss_rows)
         loss, metrics = unrolled_losses(
             run.engine, batch.input_ids.to(run.device), batch.hidden.to(run.device), loss_mask.to(run.device),
-            batch.lengths, **run.loss_kwargs,
+            batch.lengths, **run.train_loss_kwargs,
             target_argmax=None if batch.target_argmax is None else batch.target_argmax.to(run.device),
             first_inputs=first_step_inputs(batch, run.device),
         )
         t2 = time.perf_counter()
-        run.engine.backward(loss)
-        t3 = time.perf_counter()
-        run.engine.step()
+        with optimizer_stance(run.device):  # ZeRO-1/2 run Muon's update while reducing gradients in backward
+            run.engine.backward(loss)
+            t3 = time.perf_counter()
+            run.engine.step()
         t4 = time.perf_counter()
         for part, spent in (("data", t1 - t0), ("forward", t2 - t1), ("backward", t3 - t2), ("step", t4 - t3)):
             seconds[part] += spent
