@@ -8,14 +8,15 @@ same prompts, k list and greedy settings, batch 1, with one plain run, and print
 
     .venv/bin/python scripts/peer_compare.py                   # EAGLE-3, recipes/smollm2-135m-eagle3.yaml
     .venv/bin/python scripts/peer_compare.py --quick           # 40 conversations, 1 epoch, 3 prompts: the plumbing
-    .venv/bin/python scripts/peer_compare.py --peer-optimizer adamw --set train.lr=1e-3
+    .venv/bin/python scripts/peer_compare.py --set train.epochs=1  # both 1 epoch (the peer: ~20 min an epoch here)
+    .venv/bin/python scripts/peer_compare.py --set train.epochs=1 --heads peer --peer-optimizer adamw
 
 Equal data, for EAGLE-3. The peer trains on our prepared train split (the token ids and assistant loss mask `mtp-train
 prepare` wrote, the same max_seq_len), passed through `speculators prepare-data` as speculator-format rows; its
 validation rows are our held-out split (speculators always holds out a share of its dataset: `--train-data-ratio`
 is set so that exactly our train rows are trained on). Same epochs, same draft vocabulary size (its mapping is built
 the peer's way, the most frequent assistant tokens, counted here over the train rows and handed over as d2t/t2d .npy
-files), a packed sequence of our global batch's tokens (micro_batch_tokens x 2 ranks x grad_accum). Everything else
+files), a packed sequence of our global batch's tokens (micro_batch_tokens x our ranks x grad_accum). Everything else
 is the peer's own default (optimizer Muon unless `--peer-optimizer`, lr, schedule, 3 TTT steps, ...), except what
 its CPU run needs (sdpa attention, the eager loss, fp32 compute, no dataloader workers).
 
