@@ -163,6 +163,8 @@ class RegenerateSection(_Section):
                           "(self-distillation)")
     max_new_tokens: int = Field(512, ge=1, description="tokens generated per assistant turn at most")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling of the replies when temperature > 0 "
+                         "(1 = off)")
     batch_size: int = Field(8, ge=1, description="conversations generated together")
     max_turns: int | None = Field(
         None, ge=1, description="keep only the first N user turns of each conversation (null = all)"

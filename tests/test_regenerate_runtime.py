@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mtp_train.data.prepare import prepare_dataset
+from mtp_train.errors import UserError
 from mtp_train.recipe import load_recipe
 from mtp_train.runtime.chat import encode_chat, stop_token_ids
 from mtp_train.runtime.generate import generate
@@ -90,3 +91,28 @@ def test_regeneration_over_torchrun_ranks_gives_the_one_process_replies(tmp_path
         assert _regenerated(out) == expected, tensor_parallel
         fingerprint = json.loads((out / "fingerprint.json").read_text())
         assert fingerprint["dataset_hash"] == reference.fingerprint["dataset_hash"]
+
+
+def test_sampled_regeneration_takes_the_recipes_temperature_and_top_p(tmp_path, monkeypatch):
+    """`data.regenerate.temperature` and `top_p` reach the sampler that writes the replies (nucleus sampling keeps a
+    small target's sampled replies off its long tail)."""
+    import mtp_train.runtime.generate as runtime_generate
+
+    target = make_tiny_target(tmp_path / "target")
+    source = synthetic_sharegpt(tmp_path / "chats.jsonl", 3)
+    overrides = tiny_recipe_overrides(tmp_path, target, source) + [
+        "data.regenerate.enabled=true", "data.regenerate.max_new_tokens=4", "data.regenerate.temperature=0.7",
+        "data.regenerate.top_p=0.9",
+    ]
+    seen = []
+    real_generate = runtime_generate.generate
+
+    def recording_generate(model, prompts, limits, sampling, **kwargs):
+        seen.append(sampling)
+        return real_generate(model, prompts, limits, sampling, **kwargs)
+
+    monkeypatch.setattr(runtime_generate, "generate", recording_generate)
+    prepare_dataset(load_recipe(RECIPE, overrides), show_progress=False)
+    assert seen and all((s.temperature, s.top_p) == (0.7, 0.9) for s in seen)
+    with pytest.raises(UserError, match=r"data\.regenerate\.top_p"):
+        load_recipe(RECIPE, overrides[:-1] + ["data.regenerate.top_p=0"])

@@ -137,9 +137,9 @@ class _RegenerationTarget:
     """The target that writes the replies (whole, or this rank's tensor-parallel share of it) with its tokenizer.
 
     Renders each message list with the chat template (add_generation_prompt=True), generates the batch together
-    (one ragged prefill, then batched decode: sequences that finish leave the batch) at `data.regenerate.temperature`,
-    each reply up to `data.regenerate.max_new_tokens` tokens and no further than `data.max_seq_len` (what truncation
-    would cut is not generated), and returns the decoded replies without the end-of-turn token. A prompt that
+    (one ragged prefill, then batched decode: sequences that finish leave the batch) at `data.regenerate.temperature`
+    and `top_p`, each reply up to `data.regenerate.max_new_tokens` tokens and no further than `data.max_seq_len` (what
+    truncation would cut is not generated), and returns the decoded replies without the end-of-turn token. A prompt that
     already fills `data.max_seq_len` gets an empty reply: nothing after it would survive truncation, and the
     conversation is cut there."""
 
@@ -154,7 +154,8 @@ class _RegenerationTarget:
                                                 backend=recipe.target.attention)
         self.tokenizer = load_chat_tokenizer(recipe.target.path, recipe.data.chat_template)
         self.stops = stop_token_ids(self.tokenizer, self.model.config)
-        self.sampling = SamplingParams(temperature=recipe.data.regenerate.temperature)
+        self.sampling = SamplingParams(temperature=recipe.data.regenerate.temperature,
+                                       top_p=recipe.data.regenerate.top_p)
 
     def replies(self, message_lists: list[list[Message]], seed: int, on_tokens: Any = None) -> list[str]:
         """One reply per message list; `on_tokens(n)` is told each step's newly generated token count."""
