@@ -12,6 +12,7 @@ its parts'. `--variant NAME:key=value,...` adds hybrids with other rules (Hybrid
     python scripts/bench_hybrid.py                       # 16 prompts per set, 96 new tokens, k = 1, 2, 3
     python scripts/bench_hybrid.py --quick               # 4 prompts per set, 48 new tokens
     python scripts/bench_hybrid.py --sets mt_bench --limit 40 --variant min1:min_ngram=1
+    python scripts/bench_hybrid.py --sets mt_bench --per-category 2 --ks 2,3,4   # every MT-bench category
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return name, kwargs
 
 
+def first_per_category(prompts: list, per_category: int) -> list:
+    """The first `per_category` prompts of each category, in the set's order."""
+    taken: dict[str, int] = {}
+    kept = []
+    for prompt in prompts:
+        if taken.get(prompt.category, 0) < per_category:
+            taken[prompt.category] = taken.get(prompt.category, 0) + 1
+            kept.append(prompt)
+    return kept
+
+
 def best_by_method(summaries: dict[str, dict], names: list[str]) -> dict[str, tuple[float, int, float]]:
     """{method name: (best speedup, its k, its τ)} over the "<name>@k=<k>" summaries."""
     best = {}
@@ -58,6 +70,8 @@ def main() -> int:
     parser.add_argument("--target", default=None, help="model dir (default: fetched SmolLM2)")
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, of {', '.join(SETS)} or files")
     parser.add_argument("--limit", type=int, default=16, help="prompts per set")
+    parser.add_argument("--per-category", type=int, default=None, metavar="N",
+                        help="the first N prompts of each category instead of a set's first --limit prompts")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--ks", default="1,2,3", help="draft lengths, comma-separated")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...",
@@ -88,8 +102,11 @@ def main() -> int:
     ks = [int(k) for k in args.ks.split(",")]
     fields = []
     for set_name in args.sets.split(","):
-        prompt_set = (load_heldout(recipe.prepared_dir, args.limit) if set_name == "heldout"
-                      else load_mt_bench(set_name, args.limit))
+        limit = None if args.per_category else args.limit
+        prompt_set = (load_heldout(recipe.prepared_dir, limit) if set_name == "heldout"
+                      else load_mt_bench(set_name, limit))
+        if args.per_category:
+            prompt_set.prompts[:] = first_per_category(prompt_set.prompts, args.per_category)
         totals = run_methods(run.target, run.tokenizer, prompt_set.prompts, drafts, ks, args.max_new_tokens,
                              SamplingParams(), run.stop_token_ids, show_progress=False)
         categories = sorted(c for c in totals[PLAIN] if c != "all")
@@ -112,7 +129,8 @@ def main() -> int:
                 if mismatched:
                     print(f"  greedy output differs from plain for {', '.join(mismatched)} (near-ties: see "
                           "max_divergence_logit_gap in an eval report)")
-    print(f"RESULT {' '.join(fields)} limit={args.limit} new_tokens={args.max_new_tokens} "
+    print(f"RESULT {' '.join(fields)} limit={args.limit} per_category={args.per_category} "
+          f"new_tokens={args.max_new_tokens} "
           f"head_weights={run.head_weights} {machine_fields(run.precision.dtype)}")
     return 0
 
