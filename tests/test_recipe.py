@@ -46,7 +46,8 @@ DEMO_TUNED = {
     "data.max_samples": 600, "data.max_seq_len": 256, "head.draft_vocab_size": 8192, "train.zero_stage": 2,
     "train.micro_batch_tokens": 512, "train.lr": 2e-3, "train.warmup_steps": 10, "train.epochs": 6,
     "train.unroll_steps": 1, "train.loss_rows": "all", "train.eval_every": 100, "train.save_every": 100,
-    "eval.limit": 10, "eval.max_new_tokens": 96, "eval.cost_curve": True,
+    "eval.limit": 10, "eval.num_speculative_tokens": [1, 2, 3, 4], "eval.max_new_tokens": 96,
+    "eval.cost_curve": True,
 }
 
 
