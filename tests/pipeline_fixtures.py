@@ -118,3 +118,21 @@ def write_then_wait(path, obj):
 precompute.write_json_atomic = write_then_wait
 precompute.run_precompute(load_recipe(sys.argv[1], json.loads(sys.argv[2])))
 """
+
+
+def vllm_python() -> str:
+    """vLLM's interpreter (`make .venv-vllm/.installed`), or skip the test; a failure instead where `make test` set
+    MTP_TRAIN_REQUIRE_VLLM=1, so that a CI without vLLM cannot pass by skipping."""
+    import os
+
+    import pytest
+
+    from mtp_train.errors import UserError
+    from mtp_train.vllm_engine.engine import find_vllm_python
+
+    try:
+        return find_vllm_python(None)
+    except UserError as err:
+        if os.environ.get("MTP_TRAIN_REQUIRE_VLLM") == "1":
+            pytest.fail(f"MTP_TRAIN_REQUIRE_VLLM=1 and {err}")
+        pytest.skip(str(err))

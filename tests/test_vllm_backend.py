@@ -23,7 +23,8 @@ from mtp_train.features.format import load_manifest
 from mtp_train.features.precompute import run_precompute
 from mtp_train.features.verify import verify_features
 from mtp_train.recipe import load_recipe
-from tests.pipeline_fixtures import PRECOMPUTE_UNTIL_FIRST_SHARD, RECIPE_PATH, free_port, tiny_pipeline
+from tests.pipeline_fixtures import (PRECOMPUTE_UNTIL_FIRST_SHARD, RECIPE_PATH, free_port, tiny_pipeline,
+                                     vllm_python)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_VLLM_TARGET = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -32,15 +33,6 @@ AUX_LAYERS = "[0, 1, 2]"  # every decoder layer's output: vLLM ids 1..3, the las
 VLLM = ["precompute.backend=vllm", "precompute.vllm.enforce_eager=true"]
 
 
-def _vllm_python() -> str:
-    from mtp_train.vllm_engine.engine import find_vllm_python
-
-    try:
-        return find_vllm_python(None)
-    except UserError as err:
-        if os.environ.get("MTP_TRAIN_REQUIRE_VLLM") == "1":
-            pytest.fail(f"MTP_TRAIN_REQUIRE_VLLM=1 and {err}")
-        pytest.skip(str(err))
 
 
 pytestmark = pytest.mark.slow
@@ -48,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    _vllm_python()
+    vllm_python()
     root = tmp_path_factory.mktemp("vllm-backend")
     _, overrides = tiny_pipeline(root, num_conversations=24, target_overrides=TINY_VLLM_TARGET,
                                  **{"precompute.aux_layers": AUX_LAYERS, "precision.kv_cache": "float32"})

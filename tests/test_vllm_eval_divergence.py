@@ -9,13 +9,11 @@ a missing vLLM fails there instead of skipping)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from mtp_train.errors import UserError
 from mtp_train.export import vllm_eval
 from mtp_train.export.vllm_eval import (
     classify_divergence,
@@ -24,6 +22,7 @@ from mtp_train.export.vllm_eval import (
     find_divergences,
     markdown_lines,
 )
+from tests.pipeline_fixtures import vllm_python
 
 PLAIN, SPEC, OTHER = 10, 11, 12  # token ids: the plain run's, the speculative run's, a third
 
@@ -180,15 +179,6 @@ def test_markdown_says_a_fault_loudly_and_nothing_when_outputs_are_identical():
 # ---- the real worker (vLLM's interpreter) on SmolLM2 ----------------------------------------------------------------
 
 
-def _require_vllm() -> None:
-    from mtp_train.vllm_engine.engine import find_vllm_python
-
-    try:
-        find_vllm_python(None)
-    except UserError as err:
-        if os.environ.get("MTP_TRAIN_REQUIRE_VLLM") == "1":
-            pytest.fail(f"MTP_TRAIN_REQUIRE_VLLM=1 and {err}")
-        pytest.skip(str(err))
 
 
 @pytest.mark.slow
@@ -201,7 +191,7 @@ def test_the_worker_returns_top2_decode_logprobs_and_prompt_logprobs(smollm2_dir
     from mtp_train.runtime.loader import load_tokenizer
     from mtp_train.vllm_engine.engine import VllmWorker
 
-    _require_vllm()
+    vllm_python()
     prompt = encode_chat(load_tokenizer(smollm2_dir), [{"role": "user", "content": "Name three colors."}])
     settings = {"mode": "generate", "model": str(Path(smollm2_dir).resolve()), "dtype": "auto",
                 "speculative_config": None, "hf_overrides": None,

@@ -10,7 +10,6 @@ vLLM fails there instead of skipping)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from mtp_train.features.reader import FeatureReader
 from mtp_train.features.verify import verify_features
 from mtp_train.recipe import load_recipe
 from mtp_train.runtime.config import SUPPORTED_MODEL_TYPES
-from tests.pipeline_fixtures import RECIPE_PATH, tiny_pipeline
+from tests.pipeline_fixtures import RECIPE_PATH, tiny_pipeline, vllm_python
 
 # vLLM's CPU attention takes head sizes that are multiples of 32; four layers, so that the aux layers differ from H's.
 TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -37,21 +36,12 @@ VLLM = ["precompute.backend=vllm", "precompute.vllm.enforce_eager=true", "precis
 pytestmark = pytest.mark.slow
 
 
-def _require_vllm() -> None:
-    from mtp_train.vllm_engine.engine import find_vllm_python
-
-    try:
-        find_vllm_python(None)
-    except UserError as err:
-        if os.environ.get("MTP_TRAIN_REQUIRE_VLLM") == "1":
-            pytest.fail(f"MTP_TRAIN_REQUIRE_VLLM=1 and {err}")
-        pytest.skip(str(err))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     """(model_type, overrides, feature cache) of a tiny target of the family, precomputed by vLLM in fp32."""
-    _require_vllm()
+    vllm_python()
     model_type = request.param
     root = tmp_path_factory.mktemp(model_type)
     _, overrides = tiny_pipeline(root, num_conversations=20, target_overrides=TINY, model_type=model_type)
