@@ -347,9 +347,9 @@ def unrolled_losses(
         if previous_out is None:
             hidden = (target_hidden if first_inputs is None else first_inputs)[rows.read - k]  # [R, w] H_i
             if input_noise:
-                rms = hidden.float().pow(2).mean(-1, keepdim=True).sqrt()  # [R, 1]
-                hidden = (hidden.float() + input_noise * rms * torch.randn_like(rms.expand(hidden.shape))).to(
-                    hidden.dtype)
+                states = hidden.float()  # [R, w]
+                rms = states.pow(2).mean(-1, keepdim=True).sqrt()  # [R, 1]
+                hidden = (states + input_noise * rms * torch.randn_like(states)).to(hidden.dtype)
         else:  # row i of each sequence at step k-1 is also row i at step k (the last row drops out)
             hidden = previous_out[_row_starts(previous_lengths, rows.lengths, device) + rows.local]  # [R, d]
         # A packed no-cache batch over the sequences that still have rows, at the rows' rotary positions.
